@@ -1,0 +1,1 @@
+"""The training engine: imports torch, never textual."""

@@ -1,0 +1,554 @@
+"""fit(): the training loop gputui owns, so it can change how it trains between two steps.
+
+Per global batch: apply the queued controls (the step boundary), split the batch into
+micro-batches, run forward/backward on each with its loss weighted by its share, step the
+optimizer, publish one sample. An out-of-memory error in forward or backward drops
+everything the attempt held and replays the same batch with half the micro-batch, RNG
+restored, counters untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..probes.cpu import StateTracker
+from ..probes.device import for_device
+from ..telemetry import hub as hubs
+from ..telemetry.controls import REMEDIES, Control
+from ..telemetry.jsonl import MetricsFile
+from ..telemetry.progress import ProgressLine
+from ..telemetry.sample import Event, StepSample
+from ..units import format_bytes, parse_size
+from .microbatch import batch_size, split, to_device
+from .oom import OomInfo, RngState, drop, is_oom
+from .remedies import Checkpointing, Precision
+from .result import FitError, FitResult
+
+MAX_RETRIES = 16
+"""OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
+
+_RATE_WINDOW = 32
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None picks cuda, then mps, then cpu; "cuda" means the current CUDA device."""
+    if device is None:
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif torch.backends.mps.is_available():
+            device = "mps"
+        else:
+            device = "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device='mps' was asked for, but MPS is not available here")
+    return device
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def fit(
+    model: nn.Module,
+    data: Iterable[Any],
+    step: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    scheduler: Any = None,
+    micro_batch: int | None = None,
+    amp: str = "off",
+    checkpointing: bool = False,
+    checkpoint_modules: Sequence[nn.Module] | None = None,
+    device: str | torch.device | None = None,
+    memory_budget: int | str | None = None,
+    auto_recover: bool = True,
+    metrics: str | os.PathLike[str] | None = None,
+) -> FitResult:
+    """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
+
+    `epochs=None` means one epoch, or as many as `max_steps` needs when that is given; with
+    both, training stops at whichever comes first.
+    """
+    return _Trainer(
+        model, data, step, optimizer, epochs=epochs, max_steps=max_steps, scheduler=scheduler,
+        micro_batch=micro_batch, amp=amp, checkpointing=checkpointing,
+        checkpoint_modules=checkpoint_modules, device=device, memory_budget=memory_budget,
+        auto_recover=auto_recover, metrics=metrics,
+    ).run()
+
+
+class _Trainer:
+    def __init__(self, model, data, step, optimizer, *, epochs, max_steps, scheduler, micro_batch, amp,
+                 checkpointing, checkpoint_modules, device, memory_budget, auto_recover, metrics) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(step):
+            raise TypeError("step must be a function step(model, batch) -> loss")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, value in (("epochs", epochs), ("max_steps", max_steps), ("micro_batch", micro_batch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not hasattr(data, "__iter__"):
+            raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
+
+        hub = hubs.current()
+        if hub is None:  # plain `python script.py`: this process's hub, kept for later fits
+            hub = hubs.Hub()
+            hub.add_sink(ProgressLine(sys.stdout))
+            hubs.install(hub)
+        self.hub = hub
+        budget = hub.overrides.memory_budget if hub.overrides.memory_budget is not None else memory_budget
+        self.budget = parse_size(budget) if budget is not None else None
+        self._sinks = []
+        if metrics is not None and hub.overrides.metrics is None:
+            self._sinks.append(MetricsFile(metrics))
+
+        self.model, self.data, self.step, self.optimizer, self.scheduler = model, data, step, optimizer, scheduler
+        self.epochs = epochs if epochs is not None else (1 if max_steps is None else None)
+        self.max_steps = max_steps
+        self.device = resolve_device(device)
+        self.precision = Precision(self.device, amp)
+        self.checkpointing = Checkpointing(model, checkpoint_modules)
+        reason = self.checkpointing.unavailable()
+        if checkpointing and reason:
+            raise ValueError(f"checkpointing=True, but {reason}")
+        model.to(self.device)
+        # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
+        self.tracker = (StateTracker(model, optimizer, self.budget)
+                        if self.device.type == "cpu" or self.budget is not None else None)
+        self.probe = for_device(self.device, self.tracker)
+        if self.tracker is not None:
+            self.checkpointing.on_inputs = self.tracker.note_saved
+        self.checkpointing.set(checkpointing)
+        self.micro_batch = micro_batch  # a cap: None means the whole global batch
+        self.auto_recover = auto_recover
+
+        self.steps = self.samples = self.epochs_done = self.epoch = self.ooms_recovered = 0
+        self.batch_size = 0
+        self.accumulation = 1
+        self.loss: float | None = None
+        self.paused = False
+        self.stop_reason: str | None = None
+        self._signal: str | None = None
+        self._events: list[Event] = []
+        self._rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        self._warned_loss = False
+        self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> FitResult:
+        for sink in self._sinks:
+            self.hub.add_sink(sink)
+        self.hub.start(self._info())
+        self._t0 = time.monotonic()
+        restore_signals = self._install_signals()
+        error: str | None = None
+        try:
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.tracker:
+                self.tracker.reset()
+                if self.budget is not None and self.tracker.total > self.budget:
+                    raise FitError(
+                        f"the memory budget ({format_bytes(self.budget)}) is smaller than the model's "
+                        f"parameters and optimizer state ({format_bytes(self.tracker.total)}): no batch can fit")
+            self._loop()
+            if self.stop_reason:
+                self._emit("stopped", reason=self.stop_reason)
+            return self.result()
+        except FitError as exc:
+            error = str(exc)
+            exc.result = self.result()
+            raise
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if error is not None:
+                self._emit("error", message=error)
+            restore_signals()
+            self.checkpointing.remove()
+            if self.tracker:
+                self.tracker.close()
+            self.hub.end({**self.result().summary(), "error": error})
+            for sink in self._sinks:
+                self.hub.remove_sink(sink)
+                sink.close()
+
+    def _loop(self) -> None:
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            self.epoch = epoch
+            trained = 0
+            for batch in self.data:
+                self.batch_size = batch_size(batch)
+                if not self._boundary() or not self._train(batch):
+                    return
+                trained += 1
+                self._publish()
+                if self.max_steps is not None and self.steps >= self.max_steps:
+                    if trained == _length(self.data):
+                        self.epochs_done += 1  # the last step was also the end of the epoch
+                    return
+            if trained == 0:
+                if epoch == 0:
+                    raise FitError("data yielded no batches: nothing to train on")
+                raise FitError(
+                    f"data yielded no batches in epoch {epoch + 1}: it can be iterated only once "
+                    "(a generator?); pass a DataLoader or a list, or set epochs=1")
+            self.epochs_done += 1
+            epoch += 1
+
+    # -- the step boundary ------------------------------------------------------------------
+    def _boundary(self) -> bool:
+        """Apply every queued control; while paused, wait here. False: stop before the next step."""
+        self._apply_queued()
+        while self.paused and self._stop() is None:
+            if self.hub.controls.wait(0.25):
+                self._apply_queued()
+        return self._stop() is None
+
+    def _apply_queued(self) -> list[Control]:
+        """Apply what is queued, in order; returns the controls that changed something.
+
+        Requests to free the cache are merged: one gc + empty_cache per boundary is all it takes,
+        and each costs a full garbage collection."""
+        applied, freed = [], False
+        for control in self.hub.controls.drain():
+            if control.action == "free_cache":
+                if freed:
+                    self._refuse(control, "the cache was freed at this boundary already")
+                    continue
+                freed = True
+            if self._apply(control):
+                applied.append(control)
+        return applied
+
+    def _stop(self) -> str | None:
+        if self._signal and not self.stop_reason:
+            self.stop_reason = self._signal
+        return self.stop_reason
+
+    @staticmethod
+    def _meta(control: Control) -> dict[str, Any]:
+        """What every answer to a control carries: which request, from where, how long it waited."""
+        return {"request_id": control.id, "source": control.source,
+                "latency_s": round(max(0.0, time.time() - control.requested_at), 6)}
+
+    def _refuse(self, control: Control, reason: str) -> bool:
+        self._emit("control_refused", action=control.action, value=control.value, reason=reason,
+                   **self._meta(control))
+        return False
+
+    def _apply(self, control: Control) -> bool:
+        """Apply one control; True if it changed something. Every request is answered by an event."""
+        meta = self._meta(control)
+        action, value = control.action, control.value
+
+        def refuse(reason: str) -> bool:
+            return self._refuse(control, reason)
+
+        if action in ("halve_batch", "double_batch"):
+            current = self._micro_batch()
+            if action == "halve_batch":
+                if current <= 1:
+                    return refuse("the micro-batch is already 1")
+                new = current // 2
+            else:
+                if current >= self.batch_size:
+                    return refuse(f"the micro-batch already equals the global batch ({self.batch_size})")
+                new = min(current * 2, self.batch_size)
+            self._emit("micro_batch_changed", **{"from": current, "to": new},
+                       accumulation=math.ceil(self.batch_size / new), **meta)
+            self.micro_batch = new
+        elif action == "set_amp":
+            if value == self.precision.mode:
+                return refuse(f"AMP is already {value}")
+            reason = self.precision.unsupported(value)
+            if reason:
+                return refuse(reason)
+            old = self.precision.mode
+            self.precision.set(value)
+            self._emit("amp_changed", **{"from": old, "to": value}, **meta)
+        elif action == "set_checkpointing":
+            if value == self.checkpointing.enabled:
+                return refuse(f"checkpointing is already {'on' if value else 'off'}")
+            reason = self.checkpointing.unavailable()
+            if reason:
+                return refuse(reason)
+            self.checkpointing.set(value)
+            self._emit("checkpointing_changed", enabled=value, how=self.checkpointing.how, **meta)
+        elif action == "set_auto_recover":
+            if value == self.auto_recover:
+                return refuse(f"auto-recover is already {'on' if value else 'off'}")
+            self.auto_recover = value
+            self._emit("auto_recover_changed", enabled=value, **meta)
+        elif action == "free_cache":
+            self._emit("cache_freed", **self.probe.free_cache(), **meta)
+        elif action == "pause":
+            if self.paused:
+                return refuse("already paused")
+            self.paused = True
+            self._emit("paused", **meta)
+        elif action == "resume":
+            if not self.paused:
+                return refuse("not paused")
+            self.paused = False
+            self._rate.clear()  # the pause is not training time
+            self._emit("resumed", **meta)
+        elif action == "stop":
+            self.stop_reason = "requested"
+        return True
+
+    def _micro_batch(self) -> int:
+        return min(self.micro_batch or self.batch_size, self.batch_size)
+
+
+    # -- one global batch -------------------------------------------------------------------
+    def _train(self, batch: Any) -> bool:
+        """Train on one global batch, retrying it after OOMs. False: stopped before it was trained."""
+        rng = RngState(self.device)
+        retries = 0
+        while True:
+            self.probe.start_step()
+            oom = self._attempt(batch, self._baseline)
+            if oom is None:
+                return True
+            self._drop_step()
+            rng.restore()
+            retries += 1
+            if not self._recover(oom, retries):
+                return False
+
+    def _attempt(self, batch: Any, allocated_before: int) -> OomInfo | None:
+        total = self.batch_size
+        size = self._micro_batch()
+        pieces = split(batch, size, total)
+        count = len(pieces)
+        scaler = self.precision.scaler
+        tracker = self.tracker
+        phase = "forward"
+        try:
+            loss_sum = None
+            for i, piece in enumerate(pieces):
+                share = (size if i < count - 1 else total - size * (count - 1)) / total
+                piece = to_device(piece, self.device)
+                phase = "forward"
+                with self.precision.autocast():
+                    if tracker is not None:
+                        with tracker.saving():
+                            loss = self.step(self.model, piece)
+                    else:
+                        loss = self.step(self.model, piece)
+                self._check_loss(loss)
+                phase = "backward"
+                weighted = loss * share if count > 1 else loss
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                if tracker is not None:
+                    tracker.end_micro_batch()
+                detached = weighted.detach().float()
+                loss_sum = detached if loss_sum is None else loss_sum + detached
+            del piece, loss, weighted
+            phase = "optimizer"
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            if tracker is not None:
+                tracker.refresh_optimizer()
+            self.optimizer.zero_grad(set_to_none=True)
+            if tracker is not None:
+                tracker.reset()
+        except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised as is
+            if not is_oom(exc):
+                raise
+            return OomInfo(phase, drop(exc), size, allocated_before)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss = loss_sum.item()
+        self.accumulation = count
+        self.steps += 1
+        self.samples += total
+        return None
+
+    def _check_loss(self, loss: Any) -> None:
+        if not isinstance(loss, torch.Tensor):
+            raise FitError(f"step() must return the loss as a scalar tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise FitError(
+                f"step() must return a scalar loss (the mean over the batch), got a tensor of shape "
+                f"{tuple(loss.shape)}: reduce it with .mean()")
+        if not loss.requires_grad:
+            raise FitError("the loss returned by step() does not require grad: was it computed under "
+                           "torch.no_grad(), or are all parameters frozen?")
+
+    def _drop_step(self) -> None:
+        """After an OOM: no gradient, no cached block, no counted byte of the failed attempt survives."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.tracker is not None:
+            self.tracker.reset()
+        self.probe.free_cache()
+
+    def _recover(self, oom: OomInfo, retries: int) -> bool:
+        """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end."""
+        details = {"phase": oom.phase, "message": oom.message, "micro_batch": oom.micro_batch,
+                   "attempt": retries, "allocated_before": oom.allocated_before,
+                   "leaked": max(0, self.probe.allocated() - oom.allocated_before)}
+        if oom.phase == "optimizer":
+            self._emit("oom", **details, recovered=False)
+            raise FitError(
+                f"out of memory inside optimizer.step() at step {self.steps + 1}: not safe to retry (the "
+                "parameters may be partly updated), so training stops. Optimizer state does not shrink "
+                "with the micro-batch: use a lighter optimizer, fewer trainable parameters or more "
+                f"memory. [{oom.message}]")
+        if retries > MAX_RETRIES:
+            self._emit("oom", **details, recovered=False)
+            raise FitError(f"gave up after {MAX_RETRIES} out-of-memory errors in a row on the same batch "
+                           f"(last in {oom.phase}: {oom.message})")
+        if self.auto_recover:
+            if oom.micro_batch <= 1:
+                self._emit("oom", **details, recovered=False)
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
+                    f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})")
+            new = oom.micro_batch // 2
+            self.ooms_recovered += 1
+            self.micro_batch = new
+            self._emit("oom_recovered", **details, micro_batch_to=new,
+                       accumulation=math.ceil(self.batch_size / new))
+            return True
+        # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
+        self._emit("oom", **details, recovered=False, waiting=True)
+        self.paused = True
+        self._emit("paused", reason="oom")
+        while self._stop() is None:
+            if not self.hub.controls.wait(0.25):
+                continue
+            for control in self._apply_queued():
+                if control.action in REMEDIES or control.action == "set_auto_recover":
+                    if self.paused:
+                        self.paused = False
+                        self._emit("resumed", reason=control.action)
+                    self._rate.clear()
+            if not self.paused:
+                return self._stop() is None
+        return False
+
+    # -- telemetry --------------------------------------------------------------------------
+    def _publish(self) -> None:
+        now = time.monotonic()
+        self._rate.append((now, self.samples))
+        rate = None
+        if len(self._rate) > 1:
+            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
+            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
+        memory = self.probe.read()
+        self._baseline = memory.allocated or 0
+        if not math.isfinite(self.loss) and not self._warned_loss:
+            self._warned_loss = True
+            self._emit("loss_not_finite", loss=str(self.loss))
+        self.hub.publish(StepSample(
+            t=time.time(), step=self.steps, epoch=self.epoch, loss=self.loss,
+            batch_size=self.batch_size, micro_batch=self._micro_batch(), accumulation=self.accumulation,
+            amp=self.precision.mode, checkpointing=self.checkpointing.enabled, samples_per_s=rate,
+            memory=memory, samples=self.samples,
+        ))
+
+    def _emit(self, name: str, **details: Any) -> None:
+        event = Event(name, self.steps, details)
+        self._events.append(event)
+        self.hub.emit(event)
+
+    def _info(self) -> dict[str, Any]:
+        steps_per_epoch = _length(self.data)
+        total = None
+        if steps_per_epoch is not None and self.epochs is not None:
+            total = steps_per_epoch * self.epochs
+        if self.max_steps is not None:
+            total = self.max_steps if total is None else min(total, self.max_steps)
+        params = list(self.model.parameters())
+        return {
+            "pid": os.getpid(),
+            "argv": list(sys.argv),
+            "device": str(self.device),
+            "device_name": self.probe.name,
+            "model": type(self.model).__name__,
+            "params": sum(p.numel() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "optimizer": type(self.optimizer).__name__,
+            "epochs": self._planned_epochs(steps_per_epoch),
+            "max_steps": self.max_steps,
+            "steps_per_epoch": steps_per_epoch,
+            "total_steps": total,
+            "micro_batch": self.micro_batch,
+            "amp": self.precision.mode,
+            "checkpointing": self.checkpointing.enabled,
+            "checkpointing_unavailable": self.checkpointing.unavailable(),
+            "checkpointing_how": self.checkpointing.how,
+            "auto_recover": self.auto_recover,
+            "memory_budget": self.budget,
+        }
+
+    def _planned_epochs(self, steps_per_epoch: int | None) -> int | None:
+        if self.epochs is not None or not steps_per_epoch or self.max_steps is None:
+            return self.epochs
+        return math.ceil(self.max_steps / steps_per_epoch)
+
+    def result(self) -> FitResult:
+        return FitResult(
+            steps=self.steps, epochs=self.epochs_done, samples=self.samples,
+            micro_batch=self._micro_batch() if self.batch_size else self.micro_batch,
+            loss=self.loss, events=list(self._events), stopped=self.stop_reason,
+            amp=self.precision.mode, checkpointing=self.checkpointing.enabled,
+            ooms_recovered=self.ooms_recovered,
+            elapsed_s=time.monotonic() - getattr(self, "_t0", time.monotonic()),
+        )
+
+    # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------
+    def _install_signals(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # the TUI's worker thread: the app handles keys and signals
+        names = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+        previous = {sig: signal.getsignal(sig) for sig in names}
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._signal is not None:  # the second one: stop now
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(128 + signum)
+            self._signal = names[signum]
+            # No lock may be taken in a handler (the interrupted code may hold it): write directly.
+            sys.stderr.write(f"\ngputui: {self._signal}: finishing the current step, then stopping "
+                             "(again to stop at once)\n")
+
+        for sig in names:
+            signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)
+
+        return restore

@@ -1,0 +1,106 @@
+"""Split a global batch along dim 0 into micro-batches, whatever container holds it.
+
+A batch is a tree of tensors in tuples, lists, dicts, dataclasses or namedtuples. Every tensor
+whose first dimension is the batch size is split; anything else (scalars, strings, a tensor of
+another length) is carried along whole into every micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 0 else None
+    for child in _children(batch):
+        found = _first_tensor(child)
+        if found is not None:
+            return found
+    return None
+
+
+def _children(batch: Any) -> list[Any]:
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return list(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    return []
+
+
+def batch_size(batch: Any) -> int:
+    """Length of dim 0 of the first tensor in the batch; ValueError if it holds none."""
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        raise ValueError(
+            f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}"
+        )
+    return tensor.shape[0]
+
+
+def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """The same container with `fn` applied to each child."""
+    if isinstance(batch, Mapping):
+        items = {k: fn(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(fn(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        items = [fn(v) for v in batch]
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items if isinstance(batch, list) else tuple(items)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        rebuilt = copy.copy(batch)  # no __init__/__post_init__ rerun; works for frozen and slots too
+        for f in dataclasses.fields(batch):
+            object.__setattr__(rebuilt, f.name, fn(getattr(batch, f.name)))
+        return rebuilt
+    return batch
+
+
+def split(batch: Any, size: int, total: int | None = None) -> list[Any]:
+    """Micro-batches of at most `size` samples (the last may be smaller), as views, not copies."""
+    total = batch_size(batch) if total is None else total
+    if size >= total:
+        return [batch]
+    count = -(-total // size)
+
+    def pieces(node: Any) -> list[Any]:
+        if isinstance(node, torch.Tensor):
+            if node.dim() > 0 and node.shape[0] == total:
+                return list(node.split(size))
+            return [node] * count
+        children = _children(node)
+        if not children:
+            return [node] * count
+        split_children = [pieces(c) for c in children]
+        return [_rebuild_from(node, [sc[i] for sc in split_children]) for i in range(count)]
+
+    return pieces(batch)
+
+
+def _rebuild_from(node: Any, values: list[Any]) -> Any:
+    it = iter(values)
+    return _rebuild(node, lambda _old: next(it))
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor to `device`; pinned host tensors are copied without blocking."""
+    if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch
+        return batch.to(device, non_blocking=batch.is_pinned())
+    if not _children(batch):
+        return batch
+    return _rebuild(batch, lambda child: to_device(child, device))

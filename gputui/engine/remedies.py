@@ -1,0 +1,150 @@
+"""The remedies a step boundary can switch: mixed precision and activation checkpointing.
+
+Each is a small object the loop asks two things: "is this possible here, and if not why",
+and "switch". Micro-batch size and freeing the cache are plain numbers and probe calls in
+the loop; they need no object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..telemetry.controls import AMP_MODES
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Autocast dtype, plus a GradScaler while fp16 is on (bf16 needs none)."""
+
+    def __init__(self, device: torch.device, mode: str) -> None:
+        self.device = device
+        self.mode = "off"
+        self.scaler: torch.amp.GradScaler | None = None
+        self.set(self.resolve(mode))
+
+    def resolve(self, mode: str) -> str:
+        """"auto": bf16 where the device runs it natively, else fp16 on a GPU, else off."""
+        if mode != "auto":
+            return mode
+        if self.device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        if self.device.type == "mps":
+            return "fp16"
+        return "off"  # CPU autocast saves memory but usually costs speed: the user's call
+
+    def unsupported(self, mode: str) -> str | None:
+        """Why `mode` cannot run on this device, or None."""
+        if mode not in AMP_MODES:
+            return f"unknown AMP mode {mode!r} (choose from {', '.join(AMP_MODES)} or auto)"
+        if mode == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return f"{torch.cuda.get_device_name(self.device)} has no bf16 support"
+        return None
+
+    def set(self, mode: str) -> None:
+        reason = self.unsupported(mode)
+        if reason:
+            raise ValueError(reason)
+        self.mode = mode
+        # A fresh scaler for each fp16 period: a scale learned before is stale after a switch.
+        self.scaler = torch.amp.GradScaler(self.device.type) if mode == "fp16" else None
+
+    def autocast(self) -> ContextManager[Any]:
+        if self.mode == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the ModuleList/Sequential of same-type children (two or more)
+    that holds the most parameters. Empty if there is none."""
+    best: list[nn.Module] = []
+    best_params = 0
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or any(type(c) is not type(children[0]) for c in children):
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params > best_params:
+            best, best_params = children, params
+    return best
+
+
+class Checkpointing:
+    """Activation checkpointing over the model's repeated blocks, switched by one flag.
+
+    Each block's `forward` is shadowed once, on the instance (the module tree and the
+    state_dict are untouched), by a wrapper that reads the flag: on, it calls
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; off, the original forward.
+    Hugging Face models use their own `gradient_checkpointing_enable()`. `remove()` restores
+    the model exactly.
+    """
+
+    def __init__(self, model: nn.Module, modules: Sequence[nn.Module] | None = None) -> None:
+        self.model = model
+        self.enabled = False
+        self.on_inputs: Callable[[tuple[Any, ...]], None] | None = None
+        """Told each checkpointed block's inputs: the checkpoint keeps them alive for backward."""
+        self._installed: list[tuple[nn.Module, Any]] = []
+        self.hf = modules is None and bool(getattr(model, "supports_gradient_checkpointing", False)) \
+            and hasattr(model, "gradient_checkpointing_enable")
+        self.blocks: list[nn.Module] = [] if self.hf else list(modules) if modules is not None else find_blocks(model)
+
+    @property
+    def how(self) -> str:
+        return "hugging face" if self.hf else f"{len(self.blocks)} x {type(self.blocks[0]).__name__}" \
+            if self.blocks else "none"
+
+    def unavailable(self) -> str | None:
+        if self.hf or self.blocks:
+            return None
+        return ("no repeated blocks found (no ModuleList/Sequential of same-type layers): "
+                "pass checkpoint_modules=[...] to fit()")
+
+    def set(self, on: bool) -> None:
+        if on == self.enabled:
+            return
+        reason = self.unavailable()
+        if on and reason:
+            raise ValueError(reason)
+        if self.hf:
+            if on:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_disable()
+        elif on and not self._installed:
+            for block in self.blocks:
+                self._install(block)
+        self.enabled = on
+
+    def _install(self, block: nn.Module) -> None:
+        own = block.__dict__.get("forward")  # an instance forward someone set before us
+        original = block.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.enabled and torch.is_grad_enabled():
+                if self.on_inputs is not None:
+                    self.on_inputs(args)
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return original(*args, **kwargs)
+
+        block.forward = forward
+        self._installed.append((block, own))
+
+    def remove(self) -> None:
+        if self.hf and self.enabled:
+            self.model.gradient_checkpointing_disable()
+        for block, own in self._installed:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+        self._installed = []
+        self.enabled = False

@@ -1,0 +1,45 @@
+"""What fit() returns, and the error it raises when a run cannot go on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..telemetry.sample import Event, finite
+
+
+@dataclass(frozen=True)
+class FitResult:
+    steps: int
+    """Optimizer steps done."""
+    epochs: int
+    """Complete passes over the data."""
+    samples: int
+    """Samples trained on (a batch retried after an OOM counts once)."""
+    micro_batch: int | None
+    """The micro-batch at the end, after any halving."""
+    loss: float | None
+    """Loss of the last global batch."""
+    events: list[Event] = field(default_factory=list)
+    stopped: str | None = None
+    """Why training ended early: "requested", "interrupted", "terminated"; None if it ran its course."""
+    amp: str = "off"
+    checkpointing: bool = False
+    ooms_recovered: int = 0
+    elapsed_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The record the metrics file's end line and the socket carry."""
+        return {"steps": self.steps, "epochs": self.epochs, "samples": self.samples,
+                "micro_batch": self.micro_batch, "loss": finite(self.loss), "stopped": self.stopped,
+                "amp": self.amp, "checkpointing": self.checkpointing,
+                "ooms_recovered": self.ooms_recovered, "elapsed_s": round(self.elapsed_s, 3)}
+
+
+class FitError(RuntimeError):
+    """Training cannot go on (OOM at micro-batch 1, OOM in optimizer.step, bad step() output...).
+
+    The message is one line meant for the user; `result` holds what was done before it.
+    """
+
+    result: FitResult | None = None

@@ -1,0 +1,87 @@
+"""Run a user's training script as `__main__`, the way `python SCRIPT ARGS...` would.
+
+The script sees its own ARGS in sys.argv and its folder first on sys.path. Whatever goes wrong
+comes back as an exit code and a short report without gputui's own frames: the script's
+traceback is the user's business, runpy's and ours are noise.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from typing import TextIO
+
+from .engine.result import FitError  # no torch: result.py holds plain dataclasses
+
+_HIDDEN = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    runpy.__file__,
+    "<frozen runpy>",
+    os.path.join("torch", "nn", "modules", "module.py"),
+)
+
+
+class ScriptNotFound(Exception):
+    """The script path does not name a readable Python file."""
+
+
+def check_script(path: str) -> None:
+    if not os.path.exists(path):
+        raise ScriptNotFound(f"no such script: {path}")
+    if os.path.isdir(path):
+        raise ScriptNotFound(f"{path} is a directory, not a Python script")
+    if not os.access(path, os.R_OK):
+        raise ScriptNotFound(f"cannot read {path}: permission denied")
+
+
+def _hidden(filename: str) -> bool:
+    return any(filename.startswith(h) or filename.endswith(h) for h in _HIDDEN)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback with gputui's, runpy's and torch's module-call frames left out."""
+    te = traceback.TracebackException.from_exception(exc)
+    pending = [te]
+    while pending:
+        t = pending.pop()
+        t.stack = traceback.StackSummary.from_list([f for f in t.stack if not _hidden(f.filename)])
+        pending.extend(x for x in (t.__cause__, t.__context__) if x is not None)
+    return "".join(te.format())
+
+
+def run_script(path: str, args: list[str], *, err: TextIO | None = None) -> int:
+    """Run `path` as __main__ with `args`; returns the exit code `python path args` would give."""
+    err = err or sys.stderr
+    check_script(path)
+    name = os.path.basename(path)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        err.write(f"{exc.code}\n")
+        return 1
+    except KeyboardInterrupt:
+        err.write(f"\ngputui: {name} interrupted\n")
+        return 130
+    except FitError as exc:
+        err.write(f"gputui: error: {exc}\n")
+        return 1
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
+        err.write(f"gputui: {name} has a syntax error at {where}: {exc.msg}\n")
+        return 1
+    except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported, not re-raised
+        err.write(user_traceback(exc))
+        err.write(f"gputui: {name} failed: {type(exc).__name__}: {exc}\n")
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path

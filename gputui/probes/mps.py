@@ -1,0 +1,43 @@
+"""Apple MPS readings: what PyTorch's MPS allocator holds and what the Metal driver has given it."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from ..telemetry.sample import Memory
+from . import host
+
+
+class MpsProbe:
+    name = "Apple MPS"
+
+    def __init__(self, device: torch.device, tracker: Any = None) -> None:
+        self.device = device
+        self.tracker = tracker
+        self.total = torch.mps.recommended_max_memory() if hasattr(torch.mps, "recommended_max_memory") else None
+
+    def start_step(self) -> None:
+        pass
+
+    def allocated(self) -> int:
+        return torch.mps.current_allocated_memory()
+
+    def read(self) -> Memory:
+        return Memory(
+            device="mps",
+            allocated=torch.mps.current_allocated_memory(),
+            reserved=torch.mps.driver_allocated_memory(),
+            capacity=self.total,
+            rss=host.rss(max_age=host.RSS_MAX_AGE),
+            **(self.tracker.breakdown() if self.tracker is not None else {}),
+        )
+
+    def free_cache(self) -> dict[str, Any]:
+        before = torch.mps.driver_allocated_memory()
+        gc.collect()
+        torch.mps.empty_cache()
+        after = torch.mps.driver_allocated_memory()
+        return {"bytes": before - after, "reserved_before": before, "reserved_after": after}

@@ -1,0 +1,1 @@
+"""Data model, controls, hub and sinks: imports neither torch nor textual."""

@@ -1,0 +1,53 @@
+"""One line of plain text for an event: the progress line, the TUI timeline and `gputui ctl` share it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..units import format_bytes
+from .sample import Event
+
+_ACTIONS = {
+    "halve_batch": "halve micro-batch", "double_batch": "double micro-batch", "set_amp": "AMP",
+    "set_checkpointing": "checkpointing", "set_auto_recover": "auto-recover", "free_cache": "free cache",
+    "pause": "pause", "resume": "resume", "stop": "stop",
+}
+
+
+def _on(flag: Any) -> str:
+    return "on" if flag else "off"
+
+
+def _cache(e: Event) -> str:
+    if "reserved_before" in e.details:
+        return (f"cache freed: {format_bytes(e['bytes'])} returned "
+                f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e['reserved_after'])})")
+    return (f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e['rss_after'])} "
+            "(CPU: gc + malloc_trim; there is no allocator cache)")
+
+
+_TEXT: dict[str, Callable[[Event], str]] = {
+    "oom_recovered": lambda e: (f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
+                                f"retried with {e['micro_batch_to']} x {e['accumulation']}"),
+    "oom": lambda e: (f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
+                      + ("paused, waiting for a remedy" if e.get("waiting") else "not recoverable")),
+    "micro_batch_changed": lambda e: (f"micro-batch {e['from']} -> {e['to']} "
+                                      f"(accumulation {e['accumulation']})"),
+    "amp_changed": lambda e: f"AMP {e['from']} -> {e['to']}",
+    "checkpointing_changed": lambda e: f"checkpointing {_on(e['enabled'])} ({e['how']})",
+    "auto_recover_changed": lambda e: f"auto-recover {_on(e['enabled'])}",
+    "cache_freed": _cache,
+    "paused": lambda e: "paused" + (" after an OOM" if e.get("reason") == "oom" else ""),
+    "resumed": lambda e: "resumed",
+    "stopped": lambda e: f"stopped ({e['reason']})",
+    "control_refused": lambda e: f"{_ACTIONS.get(e['action'], e['action'])}: not applied, {e['reason']}",
+    "loss_not_finite": lambda e: f"loss is {e['loss']}",
+    "error": lambda e: f"error: {e['message']}",
+}
+
+
+def describe(event: Event) -> str:
+    try:
+        return _TEXT[event.name](event)
+    except KeyError:  # an event from a newer peer, or one missing a detail: still say something
+        return event.name.replace("_", " ")

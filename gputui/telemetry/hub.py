@@ -1,0 +1,106 @@
+"""The process's telemetry hub: the ring of recent samples, the events, the sinks and the controls.
+
+One hub per process. The launcher (`gputui run`, the TUI) installs one with its settings before
+the script starts; `fit()` publishes into whichever hub is installed, or makes its own when the
+script runs under plain `python`. Publishing is a few attribute writes under a lock plus the
+sinks' own cost: the training thread never waits on a reader.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .controls import Controls
+from .sample import Event, StepSample
+
+
+class Sink(Protocol):
+    """A consumer called on the training thread: it must be quick and must not raise."""
+
+    def on_start(self, info: dict[str, Any]) -> None: ...
+    def on_sample(self, sample: StepSample) -> None: ...
+    def on_event(self, event: Event) -> None: ...
+    def on_end(self, summary: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Settings given on the gputui command line; they win over the same fit() arguments."""
+
+    memory_budget: int | None = None
+    metrics: str | None = None
+
+
+class Hub:
+    def __init__(self, overrides: Overrides | None = None, *, ring_size: int = 4096) -> None:
+        self.overrides = overrides or Overrides()
+        self.controls = Controls()
+        self._lock = threading.Lock()
+        self._samples: deque[StepSample] = deque(maxlen=ring_size)
+        self._events: deque[Event] = deque(maxlen=ring_size)
+        self._sinks: list[Sink] = []
+        self.info: dict[str, Any] | None = None
+        self.summary: dict[str, Any] | None = None
+        self.runs = 0
+
+    def add_sink(self, sink: Sink) -> None:
+        with self._lock:
+            self._sinks = [*self._sinks, sink]
+
+    def remove_sink(self, sink: Sink) -> None:
+        with self._lock:
+            self._sinks = [s for s in self._sinks if s is not sink]
+
+    def start(self, info: dict[str, Any]) -> None:
+        with self._lock:
+            self.info = info
+            self.summary = None
+            self.runs += 1
+        for sink in self._sinks:
+            sink.on_start(info)
+
+    def publish(self, sample: StepSample) -> None:
+        with self._lock:
+            self._samples.append(sample)
+        for sink in self._sinks:
+            sink.on_sample(sample)
+
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+        for sink in self._sinks:
+            sink.on_event(event)
+
+    def end(self, summary: dict[str, Any]) -> None:
+        with self._lock:
+            self.summary = summary
+        for sink in self._sinks:
+            sink.on_end(summary)
+
+    def latest(self) -> StepSample | None:
+        with self._lock:
+            return self._samples[-1] if self._samples else None
+
+    def samples(self) -> list[StepSample]:
+        with self._lock:
+            return list(self._samples)
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+
+_current: Hub | None = None
+
+
+def install(hub: Hub | None) -> None:
+    """Make `hub` the one fit() publishes into (None: fit makes its own)."""
+    global _current
+    _current = hub
+
+
+def current() -> Hub | None:
+    return _current

@@ -1,0 +1,123 @@
+"""The headless progress display: one line redrawn in place on a terminal, plain lines elsewhere.
+
+What `python train.py` and `gputui run --headless` show: step, loss, micro-batch x
+accumulation, memory, speed; events on lines of their own so they stay in the scrollback.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any, TextIO
+
+from ..units import format_bytes
+from .describe import describe
+from .sample import Event, StepSample
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def render(sample: StepSample, info: dict[str, Any] | None) -> str:
+    """The progress line for one sample."""
+    total = (info or {}).get("total_steps")
+    epochs = (info or {}).get("epochs")
+    step = f"step {sample.step}" + (f"/{total}" if total else "")
+    epoch = f"epoch {sample.epoch + 1}" + (f"/{epochs}" if epochs else "")
+    loss = "loss n/a" if sample.loss is None else f"loss {sample.loss:.4g}"
+    batch = f"batch {sample.micro_batch}x{sample.accumulation}={sample.batch_size}"
+    m = sample.memory
+    label = "CPU" if m.device == "cpu" else m.device
+    memory = f"{label} {format_bytes(m.allocated)}"
+    if m.reserved is not None:
+        memory += f" (reserved {format_bytes(m.reserved)})"
+    if m.peak is not None:
+        memory += f" peak {format_bytes(m.peak)}"
+    if m.capacity is not None:
+        memory += f" of {format_bytes(m.capacity)}"
+    parts = [step, epoch, loss, batch, f"amp {sample.amp}"]
+    if sample.checkpointing:
+        parts.append("ckpt on")
+    parts.append(memory)
+    if sample.samples_per_s is not None:
+        parts.append(f"{_count(sample.samples_per_s)} samples/s")
+    return " | ".join(parts)
+
+
+class ProgressLine:
+    """A telemetry sink writing to `stream` (stdout); redraws at most every `interval` seconds."""
+
+    def __init__(self, stream: TextIO, *, interval: float | None = None) -> None:
+        self.stream = stream
+        try:
+            self.tty = stream.isatty()
+        except (AttributeError, ValueError):
+            self.tty = False
+        self.interval = interval if interval is not None else (0.1 if self.tty else 2.0)
+        self._info: dict[str, Any] | None = None
+        self._last_draw = 0.0
+        self._pending: StepSample | None = None
+        self._drawn = False  # a line without a newline is on the terminal
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed pipe must not stop training
+            pass
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self._write("\r\x1b[K")
+            self._drawn = False
+
+    def _draw(self, sample: StepSample) -> None:
+        line = render(sample, self._info)
+        if self.tty:
+            width = shutil.get_terminal_size((120, 24)).columns - 1
+            self._write("\r" + line[:width] + "\x1b[K")
+            self._drawn = True
+        else:
+            self._write(line + "\n")
+        self._last_draw = time.monotonic()
+        self._pending = None
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self._info = info
+        length = []
+        if info.get("epochs"):
+            length.append(f"{info['epochs']} epoch{'s' if info['epochs'] != 1 else ''}")
+        if info.get("total_steps"):
+            length.append(f"{info['total_steps']} steps")
+        budget = f", budget {format_bytes(info['memory_budget'])}" if info.get("memory_budget") else ""
+        self._write(
+            f"gputui: training {info['model']} ({_count(info['params'])} params) on {info['device_name']}"
+            f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n")
+
+    def on_sample(self, sample: StepSample) -> None:
+        if sample.step == 1 or time.monotonic() - self._last_draw >= self.interval:
+            self._draw(sample)
+        else:
+            self._pending = sample
+
+    def on_event(self, event: Event) -> None:
+        if event.name == "error":  # it surfaces as the exception fit() raises
+            return
+        self._clear()
+        self._write(f"gputui: step {event.step} | {describe(event)}\n")
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        if self._pending is not None:
+            self._draw(self._pending)
+        self._clear() if not self.tty else self._write("\n" if self._drawn else "")
+        self._drawn = False
+        loss = "n/a" if summary.get("loss") is None else f"{summary['loss']:.4g}"
+        recovered = f", {summary['ooms_recovered']} OOM(s) recovered" if summary.get("ooms_recovered") else ""
+        how = "stopped" if summary.get("stopped") else "failed" if summary.get("error") else "done"
+        self._write(f"gputui: {how}: {summary['steps']} steps, {summary['samples']} samples in "
+                    f"{summary['elapsed_s']:.1f}s; last loss {loss}; micro-batch {summary['micro_batch']}"
+                    f"{recovered}\n")

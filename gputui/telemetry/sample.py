@@ -1,0 +1,119 @@
+"""The immutable records every consumer reads: one memory reading, one step, one event.
+
+The engine makes them, the metrics file, the progress line, the TUI and the socket read them.
+Frozen dataclasses so a reader on another thread never sees one half-written.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+VERSION = 1
+"""Version of the wire and metrics-file records; bumped on any incompatible change."""
+
+
+def finite(x: float | None) -> float | None:
+    """JSON has no NaN or Infinity: such values are written as null."""
+    if x is None or math.isfinite(x):
+        return x
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """One reading of the training device's memory, in bytes; None where the device has no such figure.
+
+    `allocated`/`reserved`/`fragmented` follow the CUDA caching allocator; on a CPU device
+    `allocated` is the tracked training state (parameters, gradients, optimizer state and
+    activations saved for backward) and `capacity` the budget, if one is set.
+    """
+
+    device: str
+    allocated: int | None = None
+    reserved: int | None = None
+    fragmented: int | None = None
+    peak: int | None = None
+    capacity: int | None = None
+    rss: int | None = None
+    params: int | None = None
+    grads: int | None = None
+    optimizer: int | None = None
+    activations: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+
+    @property
+    def cached_free(self) -> int | None:
+        """Reserved by the caching allocator but holding no tensor: reusable, not returned to the device."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return max(0, self.reserved - self.allocated)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """What one optimizer step left behind: progress, the settings it ran with, and memory after it."""
+
+    t: float
+    step: int
+    epoch: int
+    loss: float | None
+    batch_size: int
+    micro_batch: int
+    accumulation: int
+    amp: str
+    checkpointing: bool
+    samples_per_s: float | None
+    memory: Memory
+    samples: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.memory
+        return {
+            "v": VERSION,
+            "kind": "step",
+            "t": round(self.t, 6),
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": finite(self.loss),
+            "batch_size": self.batch_size,
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+            "amp": self.amp,
+            "checkpointing": self.checkpointing,
+            "device": m.device,
+            "allocated": m.allocated,
+            "reserved": m.reserved,
+            "fragmented": m.fragmented,
+            "peak": m.peak,
+            "rss": m.rss,
+            "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 3),
+            "samples": self.samples,
+            "memory": m.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened at a step boundary: a remedy applied, an OOM recovered, an error."""
+
+    name: str
+    step: int
+    details: Mapping[str, Any] = field(default_factory=dict)
+    t: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": VERSION, "kind": "event", "t": round(self.t, 6), "step": self.step,
+                "name": self.name, **self.details}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.details[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.details.get(key, default)

@@ -1,0 +1,117 @@
+"""Small models and a plain PyTorch loop the engine is compared against (none of them in gputui)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class ConvNet(nn.Module):
+    """A conv net with repeated residual blocks in an nn.Sequential (checkpointing finds them)."""
+
+    def __init__(self, channels: int = 8, blocks: int = 3, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.body = nn.Sequential(*(Residual(channels) for _ in range(blocks)))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class Residual(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.GroupNorm(2, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.conv(x)))
+
+
+class TokenModel(nn.Module):
+    """Embedding + GRU + per-token head: batches are dicts with a mask; layers in a ModuleList."""
+
+    def __init__(self, vocab: int = 20, width: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.rnn = nn.GRU(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return self.head(self.rnn(x)[0])
+
+
+def conv_step(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def token_step(model: nn.Module, batch) -> torch.Tensor:
+    logits = model(batch["tokens"])
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), reduction="none")
+    return loss.mean()
+
+
+def conv_batches(n: int, size: int, seed: int = 0, last: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [size] * n if last is None else [size] * (n - 1) + [last]
+    return [(torch.randn(s, 3, 6, 6, generator=g), torch.randint(5, (s,), generator=g)) for s in sizes]
+
+
+def token_batches(n: int, size: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(20, (size, 7), generator=g), "target": torch.randint(20, (size, 7), generator=g),
+             "lang": "xx"} for _ in range(n)]
+
+
+def plain_loop(model: nn.Module, batches, step, make_optimizer, epochs: int = 1, scheduler=None):
+    """The reference: one optimizer step per global batch, no gputui."""
+    optimizer = make_optimizer(model)
+    sched = scheduler(optimizer) if scheduler else None
+    for _ in range(epochs):
+        for batch in batches:
+            loss = step(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if sched:
+                sched.step()
+    return model
+
+
+def twins(factory, seed: int = 0):
+    torch.manual_seed(seed)
+    a = factory()
+    return a, copy.deepcopy(a)
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
+    """Run `action` on another thread as soon as the hub has seen an event called `name`."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(e.name == name for e in hub.events()):
+                action()
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

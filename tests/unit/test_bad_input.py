@@ -1,0 +1,73 @@
+import pytest
+import torch
+from torch import nn
+
+import gputui
+from helpers import ConvNet, conv_batches, conv_step
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("step, message", [
+    (lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
+     r"step\(\) must return a scalar loss \(the mean over the batch\), got a tensor of shape \(4,\)"),
+    (lambda m, b: 0.5, r"step\(\) must return the loss as a scalar tensor, got float"),
+    (lambda m, b: conv_step(m, b).detach(), "does not require grad"),
+])
+def test_bad_step_output(step, message, hub):
+    model = ConvNet()
+    with pytest.raises(gputui.FitError, match=message):
+        gputui.fit(model, conv_batches(2, 4), step, sgd(model))
+    assert hub.events()[-1].name == "error"
+    assert hub.summary["error"] and hub.summary["steps"] == 0
+
+
+def test_empty_data_and_one_shot_generators():
+    model = ConvNet()
+    with pytest.raises(gputui.FitError, match="data yielded no batches: nothing to train on"):
+        gputui.fit(model, [], conv_step, sgd(model))
+    with pytest.raises(gputui.FitError, match="in epoch 2: it can be iterated only once"):
+        gputui.fit(model, (b for b in conv_batches(2, 4)), conv_step, sgd(model), epochs=2)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(memory_budget="lots"), ValueError, "not a size: 'lots'"),
+    (dict(amp="fp8"), ValueError, "unknown AMP mode 'fp8'"),
+    (dict(micro_batch=0), ValueError, "micro_batch must be a positive int"),
+    (dict(epochs=1.5), ValueError, "epochs must be a positive int"),
+    (dict(device="cuda"), ValueError, "CUDA is not available"),
+    (dict(device="tpu"), RuntimeError, "tpu"),
+])
+def test_bad_arguments(kwargs, error, message):
+    model = ConvNet()
+    with pytest.raises(error, match=message):
+        gputui.fit(model, conv_batches(1, 2), conv_step, sgd(model), **kwargs)
+
+
+def test_checkpointing_without_blocks_is_refused_up_front():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(108, 5))
+    with pytest.raises(ValueError, match="checkpointing=True, but no repeated blocks found"):
+        gputui.fit(model, conv_batches(1, 2), conv_step, sgd(model), checkpointing=True)
+
+
+def test_wrong_types():
+    model = ConvNet()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        gputui.fit(lambda x: x, conv_batches(1, 2), conv_step, sgd(model))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        gputui.fit(model, conv_batches(1, 2), conv_step, "adam")
+    with pytest.raises(TypeError, match="data must be an iterable"):
+        gputui.fit(model, 3, conv_step, sgd(model))
+    with pytest.raises(ValueError, match="a batch must hold at least one tensor"):
+        gputui.fit(model, [{"text": "no tensors"}], conv_step, sgd(model))
+
+
+def test_a_rejected_call_leaves_no_hook_behind():
+    model = ConvNet()
+    with pytest.raises(ValueError):
+        gputui.fit(model, conv_batches(1, 2), conv_step, sgd(model), memory_budget="1KiB", amp="fp8")
+    # a stale budget hook would raise OutOfMemoryError here
+    conv_step(model, conv_batches(1, 2)[0]).backward()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())

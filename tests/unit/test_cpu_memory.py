@@ -1,0 +1,86 @@
+"""Tracked CPU bytes are real, and the budget raises a real torch.OutOfMemoryError inside the step."""
+
+import pytest
+import torch
+from torch import nn
+
+import gputui
+from gputui.probes.cpu import StateTracker
+from helpers import ConvNet, conv_batches, conv_step
+
+
+def test_counts_parameters_gradients_optimizer_state_exactly():
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
+    params = (100 * 50 + 50 + 50 * 10 + 10) * 4
+    opt = torch.optim.Adam(model.parameters())
+    t = StateTracker(model, opt, None)
+    assert (t.params, t.grads, t.optimizer_bytes, t.activations) == (params, 0, 0, 0)
+    x = torch.randn(8, 100)
+    with t.saving():
+        loss = model(x).sum()
+    # saved for backward: the input (8x100), the first output (8x50) kept by ReLU and the ReLU output;
+    # weights are parameters and never count as activations
+    assert t.activations >= (8 * 100 + 8 * 50) * 4
+    loss.backward()
+    t.end_micro_batch()
+    assert t.grads == params and t.activations == 0
+    opt.step()
+    t.refresh_optimizer()
+    assert t.optimizer_bytes == 2 * params + 4 * 4  # exp_avg, exp_avg_sq, and a 4-byte step per parameter
+    opt.zero_grad(set_to_none=True)
+    t.reset()
+    assert t.grads == 0 and t.total == params + t.optimizer_bytes
+    t.close()
+
+
+def test_views_of_one_storage_count_once():
+    model = nn.Linear(4, 4)
+    t = StateTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+    base = torch.randn(64, 4, requires_grad=True)
+    with t.saving():
+        y = (base[:32] * base[32:]).sum()
+    assert t.activations == 64 * 4 * 4  # two views of `base`: its storage once
+    y.backward()
+    t.close()
+
+
+@pytest.mark.parametrize("budget, phase", [(3000, "forward"), (4500, "backward")])
+def test_budget_raises_real_oom_in_the_phase_where_it_is_crossed(budget, phase):
+    model = nn.Linear(20, 20)  # 1680 bytes of parameters
+    t = StateTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), budget)
+    with pytest.raises(torch.OutOfMemoryError, match=f"CPU memory budget exceeded in {phase}"):
+        with t.saving():
+            loss = model(torch.randn(16, 20)).pow(2).sum()
+        loss.backward()
+    t.close()
+
+
+def test_fit_publishes_real_changing_cpu_readings(hub):
+    model = ConvNet()
+    gputui.fit(model, conv_batches(6, 8), conv_step, torch.optim.Adam(model.parameters()), memory_budget="64MiB")
+    samples = hub.samples()
+    assert [s.step for s in samples] == [1, 2, 3, 4, 5, 6]
+    m1, m2 = samples[0].memory, samples[-1].memory
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert m1.device == "cpu" and m1.params == params and m1.capacity == 64 * 2**20
+    assert m1.optimizer == 2 * params + 4 * len(list(model.parameters()))
+    assert m2.allocated == params + m2.optimizer and m2.grads == 0 and m2.activations == 0
+    assert m2.peak > m2.allocated + params  # at the peak gradients and activations were alive
+    assert m1.rss > 50 * 2**20 and m1.reserved is None and m1.fragmented is None
+    assert samples[0].memory.peak < samples[1].memory.peak  # the optimizer state appeared in step 1
+
+
+def peak_of(**kwargs):
+    torch.manual_seed(0)
+    model = ConvNet(channels=16, blocks=4)
+    result = gputui.fit(model, conv_batches(2, 32), conv_step, torch.optim.SGD(model.parameters(), lr=0.01),
+                        **kwargs)
+    return result, gputui.telemetry.hub.current().latest().memory.peak
+
+
+def test_each_remedy_lowers_the_step_peak():
+    _, base = peak_of()
+    _, halved = peak_of(micro_batch=16)
+    _, ckpt = peak_of(checkpointing=True)
+    _, bf16 = peak_of(amp="bf16")
+    assert halved < 0.7 * base and ckpt < 0.7 * base and bf16 < 0.8 * base

@@ -1,0 +1,79 @@
+import io
+import json
+
+import pytest
+import torch
+
+import gputui
+from gputui.telemetry.progress import ProgressLine
+from helpers import ConvNet, conv_batches, conv_step
+
+STEP_KEYS = {"v", "kind", "t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp",
+             "checkpointing", "device", "allocated", "reserved", "fragmented", "peak", "rss", "samples_per_s"}
+
+
+def test_metrics_file_schema(tmp_path):
+    path = tmp_path / "m.jsonl"
+    model = ConvNet()
+    gputui.fit(model, conv_batches(4, 8), conv_step, torch.optim.SGD(model.parameters(), lr=0.1),
+               micro_batch=4, memory_budget="50KiB", metrics=path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "end"
+    steps = [x for x in lines if x["kind"] == "step"]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    for x in steps:
+        assert STEP_KEYS <= set(x)
+        assert x["v"] == 1 and x["device"] == "cpu" and x["amp"] == "off" and x["checkpointing"] is False
+        assert x["batch_size"] == 8 and x["micro_batch"] * (x["accumulation"] - 1) < 8 <= x["micro_batch"] * x["accumulation"]
+        assert isinstance(x["loss"], float) and x["allocated"] > 0 and x["peak"] >= x["allocated"]
+        assert x["reserved"] is None and x["fragmented"] is None and x["rss"] > 0
+    assert steps[0]["samples_per_s"] is None and steps[-1]["samples_per_s"] > 0
+    events = [x for x in lines if x["kind"] == "event"]
+    assert events and all({"v", "t", "step", "name"} <= set(e) for e in events)
+    assert events[0]["name"] == "oom_recovered" and (events[0]["micro_batch"], events[0]["micro_batch_to"]) == (4, 2)
+    assert lines[-1]["steps"] == 4 and lines[-1]["error"] is None
+
+
+def test_nan_loss_is_null_in_json_and_reported_once(tmp_path):
+    path = tmp_path / "m.jsonl"
+    model = ConvNet()
+
+    def step(model, batch):
+        return conv_step(model, batch) * float("nan")
+
+    result = gputui.fit(model, conv_batches(3, 2), step, torch.optim.SGD(model.parameters(), lr=0.1), metrics=path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]  # strict JSON: no NaN tokens
+    assert all(x["loss"] is None for x in lines if x["kind"] == "step")
+    assert [e.name for e in result.events] == ["loss_not_finite"]
+
+
+def run_with_progress(stream, hub):
+    hub.add_sink(ProgressLine(stream))
+    model = ConvNet()
+    hub.controls.request("halve_batch")
+    gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_progress_plain_lines_when_not_a_terminal(hub):
+    out = io.StringIO()
+    run_with_progress(out, hub)
+    text = out.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert lines[0].startswith("gputui: training ConvNet") and "on CPU" in lines[0]
+    assert lines[1] == "gputui: step 0 | micro-batch 4 -> 2 (accumulation 2)"
+    assert lines[2].startswith("step 1/3 | epoch 1/1 | loss ") and "batch 2x2=4" in lines[2]
+    assert lines[-2].startswith("step 3/3") and lines[-1].startswith("gputui: done: 3 steps, 12 samples")
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_in_place_on_a_terminal(hub):
+    out = Tty()
+    run_with_progress(out, hub)
+    text = out.getvalue()
+    assert "\rstep 1/3" in text and "\x1b[K" in text
+    assert text.endswith("\n") and text.splitlines()[-1].startswith("gputui: done")

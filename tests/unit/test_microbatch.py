@@ -1,0 +1,76 @@
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from gputui.engine.microbatch import batch_size, split, to_device
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    mask: torch.Tensor
+    name: str = "b"
+
+
+@dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+    cached: int = field(init=False, default=7)
+
+
+def test_tensor_split_uneven_views():
+    x = torch.arange(10).view(10, 1)
+    parts = split(x, 4)
+    assert [p.shape[0] for p in parts] == [4, 4, 2]
+    assert torch.equal(torch.cat(parts), x)
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in parts)  # views
+
+
+def test_whole_batch_when_size_covers_it():
+    x = torch.zeros(6, 2)
+    assert split(x, 6)[0] is x and split(x, 100)[0] is x
+
+
+def test_nested_containers_and_carried_leaves():
+    batch = {"pair": Pair(torch.arange(5), torch.arange(5) * 2), "ids": [torch.ones(5, 3), "tag"],
+             "scale": torch.tensor(2.0), "classes": torch.arange(3), "meta": {"epoch": 1}}
+    parts = split(batch, 2)
+    assert len(parts) == 3
+    assert [p["pair"].x.tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+    assert isinstance(parts[0]["pair"], Pair) and parts[2]["pair"].y.tolist() == [8]
+    assert parts[1]["ids"][0].shape == (2, 3) and parts[1]["ids"][1] == "tag"
+    for p in parts:  # a scalar, a tensor of another length and a plain dict are carried whole
+        assert p["scale"] is batch["scale"] and p["classes"] is batch["classes"] and p["meta"] == {"epoch": 1}
+
+
+def test_tuple_list_ordereddict_types_kept():
+    assert isinstance(split((torch.ones(4), torch.ones(4)), 2)[0], tuple)
+    assert isinstance(split([torch.ones(4)], 2)[0], list)
+    od = split(OrderedDict(a=torch.ones(4)), 3)
+    assert isinstance(od[0], OrderedDict) and od[1]["a"].shape == (1,)
+
+
+def test_dataclasses_plain_and_frozen():
+    parts = split(Batch(torch.arange(6), torch.ones(6, 2)), 4)
+    assert isinstance(parts[0], Batch) and parts[1].x.tolist() == [4, 5] and parts[1].name == "b"
+    frozen = split(Frozen(torch.arange(3)), 2)
+    assert frozen[1].x.tolist() == [2] and frozen[1].cached == 7
+
+
+def test_batch_size_finds_first_batched_tensor():
+    assert batch_size({"scalar": torch.tensor(1.0), "x": [torch.ones(7, 2)]}) == 7
+    with pytest.raises(ValueError, match="at least one tensor"):
+        batch_size({"a": 1, "b": "text"})
+    with pytest.raises(ValueError):
+        batch_size(torch.tensor(3.0))
+
+
+def test_to_device_keeps_structure():
+    batch = Batch(torch.ones(2), torch.zeros(2, 2))
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved, Batch) and moved.x is batch.x  # already there: no copy
+    assert to_device(("a", 3), torch.device("cpu")) == ("a", 3)

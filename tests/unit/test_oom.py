@@ -1,0 +1,178 @@
+"""OOM recovery: the same batch is retried with half the micro-batch, and nothing is counted twice."""
+
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gputui
+from gputui.engine.loop import MAX_RETRIES
+from gputui.engine.oom import is_oom
+from helpers import ConvNet, on_event, assert_same_weights, conv_batches, conv_step, plain_loop, twins
+
+
+class FailOn:
+    """A step() that raises an OOM on chosen calls, in forward or (through a grad hook) in backward."""
+
+    def __init__(self, calls, phase="forward", exc=None):
+        self.calls, self.phase, self.count = set(calls), phase, 0
+        self.exc = exc or (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+        self.sizes = []
+
+    def __call__(self, model, batch):
+        self.count += 1
+        self.sizes.append(len(batch[0]))
+        loss = conv_step(model, batch)
+        if self.count in self.calls:
+            if self.phase == "forward":
+                raise self.exc()
+            loss.register_hook(lambda g: (_ for _ in ()).throw(self.exc()))
+        return loss
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_counters_and_scheduler_exact_after_recovery(phase):
+    batches = conv_batches(5, 8)
+    ref, model = twins(ConvNet)
+    plain_loop(ref, batches, conv_step, sgd, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.9))
+    step = FailOn({3, 5}, phase)  # step 3's first try, then one micro-batch of its retry
+    opt = sgd(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
+    result = gputui.fit(model, batches, step, opt, scheduler=sched)
+    assert (result.steps, result.samples, sched.last_epoch) == (5, 40, 5)
+    assert result.ooms_recovered == 2 and result.micro_batch == 2
+    assert step.sizes[:6] == [8, 8, 8, 4, 4, 2]
+    recovered = [e for e in result.events if e.name == "oom_recovered"]
+    assert [(e.step, e["phase"], e["micro_batch"], e["micro_batch_to"]) for e in recovered] == \
+        [(2, phase, 8, 4), (2, phase, 4, 2)]
+    assert "CUDA out of memory" in recovered[0]["message"]
+    assert_same_weights(model, ref)
+
+
+def test_runtime_errors_that_mean_oom_are_recovered_others_are_not():
+    for text in ("CUDA error: out of memory", "MPS backend out of memory (MPS allocated: 1 GB)",
+                 "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory"):
+        assert is_oom(RuntimeError(text))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    model = ConvNet()
+    result = gputui.fit(model, conv_batches(2, 4), FailOn({1}, exc=lambda: RuntimeError("CUDA error: out of memory")),
+                        sgd(model))
+    assert result.ooms_recovered == 1
+    with pytest.raises(ValueError, match="not memory"):
+        gputui.fit(model, conv_batches(2, 4), FailOn({1}, exc=lambda: ValueError("not memory")), sgd(model))
+
+
+def test_floor_at_micro_batch_one_ends_the_run_with_a_clear_error(hub):
+    model = ConvNet()
+    with pytest.raises(gputui.FitError, match="micro-batch 1: not even one sample fits") as info:
+        gputui.fit(model, conv_batches(3, 8), FailOn(range(1, 100)), sgd(model))
+    assert info.value.result.steps == 0
+    names = [e.name for e in hub.events()]
+    assert names == ["oom_recovered"] * 3 + ["oom", "error"]  # 8 -> 4 -> 2 -> 1, then the floor
+
+
+def test_oom_in_optimizer_step_stops_cleanly():
+    model = ConvNet()
+
+    class Greedy(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            self.calls += 1
+            if self.calls > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            return super().step(closure)
+
+    with pytest.raises(gputui.FitError, match=r"inside optimizer.step\(\) at step 2: not safe to retry") as info:
+        gputui.fit(model, conv_batches(3, 4), conv_step, Greedy(model.parameters(), lr=0.1))
+    assert info.value.result.steps == 1
+
+
+def test_manual_mode_waits_for_a_remedy_then_retries(hub):
+    model = ConvNet()
+    step = FailOn({2})
+
+    helper = on_event(hub, "oom", lambda: hub.controls.request("halve_batch", source="test"))
+    result = gputui.fit(model, conv_batches(3, 8), step, sgd(model), auto_recover=False)
+    helper.join(5)
+    assert (result.steps, result.samples, result.micro_batch) == (3, 24, 4)
+    names = [e.name for e in result.events]
+    assert names == ["oom", "paused", "micro_batch_changed", "resumed"]
+    assert result.events[0]["waiting"] is True and result.events[0]["phase"] == "forward"
+    assert step.sizes == [8, 8, 4, 4, 4, 4]  # step 1, step 2 fails, its retry, step 3
+
+
+def test_manual_mode_retry_cap(hub):
+    model = ConvNet()
+    stop = threading.Event()
+
+    def keep_resuming():  # the user who presses "retry" whatever happens
+        while not stop.is_set():
+            if sum(e.name == "paused" for e in hub.events()) > sum(e.name == "resumed" for e in hub.events()):
+                hub.controls.request("resume")
+            stop.wait(0.002)
+
+    t = threading.Thread(target=keep_resuming, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(gputui.FitError, match=f"gave up after {MAX_RETRIES} out-of-memory errors"):
+            gputui.fit(model, conv_batches(1, 8), FailOn(range(1, 1000)), sgd(model), auto_recover=False)
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_rng_restored_so_a_retry_replays_the_same_dropout(hub):
+    batches = conv_batches(3, 6)
+
+    def factory():
+        return nn.Sequential(nn.Flatten(), nn.Linear(108, 32), nn.Dropout(0.5), nn.Linear(32, 5))
+
+    def step(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    ref, model = twins(factory)
+    torch.manual_seed(7)
+    plain_loop(ref, batches, step, sgd)
+
+    calls = []
+
+    def failing(model, batch):
+        loss = step(model, batch)  # dropout has drawn from the RNG before the OOM
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory")
+        return loss
+
+    on_event(hub, "oom", lambda: hub.controls.request("resume"))
+    torch.manual_seed(7)
+    result = gputui.fit(model, batches, failing, sgd(model), auto_recover=False)
+    assert len(calls) == 4 and result.micro_batch == 6  # retried with the same micro-batch
+    assert_same_weights(model, ref, atol=0, rtol=0)
+
+
+def test_failed_attempt_memory_is_released_before_the_retry():
+    refs = []
+    alive_at_retry = []
+
+    def step(model, batch):
+        if refs:
+            alive_at_retry.append(refs[0]() is not None)
+        loss = conv_step(model, batch)
+        if not refs:
+            big = torch.ones(1000, 1000) * loss  # an activation of the failed attempt
+            refs.append(weakref.ref(big))
+            raise torch.OutOfMemoryError("out of memory")
+        return loss
+
+    model = ConvNet()
+    result = gputui.fit(model, conv_batches(1, 4), step, sgd(model))
+    assert alive_at_retry and not any(alive_at_retry)
+    assert result.events[0]["leaked"] == 0
