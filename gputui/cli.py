@@ -36,8 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--memory-budget", metavar="SIZE", type=_size,
                      help="act as if the device had only SIZE (e.g. 512MiB): crossing it raises "
                           "torch.OutOfMemoryError inside the step")
+    run.add_argument("--gpu-memory-limit", metavar="SIZE", type=_size,
+                     help="on CUDA, let this process allocate only SIZE (e.g. 8GiB): act like a smaller GPU")
+    run.add_argument("--memory-history", action="store_true", default=None,
+                     help="record the CUDA allocator's history from the start and dump a snapshot at an OOM")
+    run.add_argument("--snapshot-dir", metavar="DIR", help="where memory snapshots go (default ./gputui-snapshots)")
     run.add_argument("script", metavar="SCRIPT", help="the training script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    watch = commands.add_parser("watch", help="show every GPU and its processes (NVML)",
+                                description="Show every NVIDIA GPU and the processes on it, as NVML reports them.")
+    watch.add_argument("--once", action="store_true", help="print one reading and exit")
+    watch.add_argument("--json", action="store_true", help="with --once: print the reading as JSON")
     return parser
 
 
@@ -55,7 +65,9 @@ def _run(options: argparse.Namespace) -> int:
     if not options.headless:
         print("gputui: error: the TUI is not built yet; use `gputui run --headless SCRIPT`", file=sys.stderr)
         return 2
-    hub = hubs.Hub(hubs.Overrides(memory_budget=options.memory_budget, metrics=options.metrics))
+    hub = hubs.Hub(hubs.Overrides(
+        memory_budget=options.memory_budget, gpu_memory_limit=options.gpu_memory_limit,
+        memory_history=options.memory_history, snapshot_dir=options.snapshot_dir, metrics=options.metrics))
     hub.add_sink(ProgressLine(sys.stdout))
     metrics = None
     if options.metrics:
@@ -74,10 +86,21 @@ def _run(options: argparse.Namespace) -> int:
             metrics.close()
 
 
+def _watch(options: argparse.Namespace) -> int:
+    if not options.once:
+        print("gputui: error: the interactive watch screen is not built yet; use --once", file=sys.stderr)
+        return 2
+    from .watch import run_once
+
+    return run_once(options.json, sys.stdout, sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     if options.command == "run":
         return _run(options)
+    if options.command == "watch":
+        return _watch(options)
     _parser().print_help()
     return 2
 

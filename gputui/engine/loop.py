@@ -21,8 +21,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..probes.cpu import StateTracker
+from ..probes import snapshot
+from ..probes.cpu import StateTracker, state_tensors
 from ..probes.device import for_device
+from ..probes.host import read_host
+from ..probes.tensors import top_tensors
 from ..telemetry import hub as hubs
 from ..telemetry.controls import REMEDIES, Control
 from ..telemetry.jsonl import MetricsFile
@@ -36,6 +39,12 @@ from .result import FitError, FitResult
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
+
+THRASHING_STEPS = 3
+"""Steps in a row with new allocator retries before a pre-emptive halving."""
+
+HOST_INTERVAL = 1.0
+"""Seconds between host readings (psutil: about 250 us each)."""
 
 _RATE_WINDOW = 32
 
@@ -67,6 +76,18 @@ def _length(data: Any) -> int | None:
         return None
 
 
+def _nvml_view(hub: hubs.Hub, device: torch.device) -> Any:
+    """NVML's view of this process on `device`, read by the hub's poller thread (started once)."""
+    from ..probes.cuda import NvmlView
+    from ..probes.nvml import NvmlPoller, cuda_to_nvml_index
+
+    if hub.gpu_poller is None:
+        hub.gpu_poller = NvmlPoller().start()
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    index = cuda_to_nvml_index(device.index, cuda_uuid=str(uuid) if uuid else None)
+    return None if index is None else NvmlView(hub.gpu_poller, index, os.getpid())
+
+
 def fit(
     model: nn.Module,
     data: Iterable[Any],
@@ -82,32 +103,33 @@ def fit(
     checkpoint_modules: Sequence[nn.Module] | None = None,
     device: str | torch.device | None = None,
     memory_budget: int | str | None = None,
+    gpu_memory_limit: int | str | None = None,
     auto_recover: bool = True,
     metrics: str | os.PathLike[str] | None = None,
+    memory_history: bool = False,
+    snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
     `epochs=None` means one epoch, or as many as `max_steps` needs when that is given; with
-    both, training stops at whichever comes first.
+    both, training stops at whichever comes first. Options given on the gputui command line
+    win over the same arguments here.
     """
-    return _Trainer(
-        model, data, step, optimizer, epochs=epochs, max_steps=max_steps, scheduler=scheduler,
-        micro_batch=micro_batch, amp=amp, checkpointing=checkpointing,
-        checkpoint_modules=checkpoint_modules, device=device, memory_budget=memory_budget,
-        auto_recover=auto_recover, metrics=metrics,
-    ).run()
+    options = {k: v for k, v in locals().items() if k not in ("model", "data", "step", "optimizer")}
+    return _Trainer(model, data, step, optimizer, options).run()
 
 
 class _Trainer:
-    def __init__(self, model, data, step, optimizer, *, epochs, max_steps, scheduler, micro_batch, amp,
-                 checkpointing, checkpoint_modules, device, memory_budget, auto_recover, metrics) -> None:
+    def __init__(self, model: nn.Module, data: Iterable[Any], step: Callable[[nn.Module, Any], torch.Tensor],
+                 optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(step):
             raise TypeError("step must be a function step(model, batch) -> loss")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        for name, value in (("epochs", epochs), ("max_steps", max_steps), ("micro_batch", micro_batch)):
+        for name in ("epochs", "max_steps", "micro_batch"):
+            value = options[name]
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not hasattr(data, "__iter__"):
@@ -119,11 +141,18 @@ class _Trainer:
             hub.add_sink(ProgressLine(sys.stdout))
             hubs.install(hub)
         self.hub = hub
-        budget = hub.overrides.memory_budget if hub.overrides.memory_budget is not None else memory_budget
-        self.budget = parse_size(budget) if budget is not None else None
+        own_metrics = options["metrics"]
+        options.update(hub.overrides.given())
+        o = options
+        self.budget = parse_size(o["memory_budget"]) if o["memory_budget"] is not None else None
+        gpu_limit = parse_size(o["gpu_memory_limit"]) if o["gpu_memory_limit"] is not None else None
+        self.snapshot_dir = os.fspath(o["snapshot_dir"])
         self._sinks = []
-        if metrics is not None and hub.overrides.metrics is None:
-            self._sinks.append(MetricsFile(metrics))
+        if own_metrics is not None and hub.overrides.metrics is None:
+            self._sinks.append(MetricsFile(own_metrics))
+        epochs, max_steps, micro_batch = o["epochs"], o["max_steps"], o["micro_batch"]
+        amp, checkpointing, checkpoint_modules = o["amp"], o["checkpointing"], o["checkpoint_modules"]
+        scheduler, device, auto_recover = o["scheduler"], o["device"], o["auto_recover"]
 
         self.model, self.data, self.step, self.optimizer, self.scheduler = model, data, step, optimizer, scheduler
         self.epochs = epochs if epochs is not None else (1 if max_steps is None else None)
@@ -138,7 +167,11 @@ class _Trainer:
         # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
         self.tracker = (StateTracker(model, optimizer, self.budget)
                         if self.device.type == "cpu" or self.budget is not None else None)
-        self.probe = for_device(self.device, self.tracker)
+        self.probe = for_device(self.device, self.tracker, limit=gpu_limit,
+                                nvml=_nvml_view(hub, self.device) if self.device.type == "cuda" else None)
+        self.memory_history = bool(o["memory_history"]) and snapshot.unavailable(self.device) is None
+        if self.memory_history:
+            snapshot.start_history()
         if self.tracker is not None:
             self.checkpointing.on_inputs = self.tracker.note_saved
         self.checkpointing.set(checkpointing)
@@ -155,6 +188,8 @@ class _Trainer:
         self._events: list[Event] = []
         self._rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
         self._warned_loss = False
+        self._host, self._host_t = None, 0.0
+        self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
 
     # -- the run ----------------------------------------------------------------------------
@@ -318,6 +353,13 @@ class _Trainer:
             self.paused = False
             self._rate.clear()  # the pause is not training time
             self._emit("resumed", **meta)
+        elif action == "snapshot":
+            reason = snapshot.unavailable(self.device)
+            if reason:
+                return refuse(reason)
+            self._snapshot("requested", meta)
+        elif action == "top_tensors":
+            self._emit("top_tensors", **self._top_tensors(), **meta)
         elif action == "stop":
             self.stop_reason = "requested"
         return True
@@ -385,6 +427,8 @@ class _Trainer:
         except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised as is
             if not is_oom(exc):
                 raise
+            if self.memory_history:  # now, while the failed step's tensors are still alive
+                self._snapshot("oom", {})
             return OomInfo(phase, drop(exc), size, allocated_before)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -458,6 +502,35 @@ class _Trainer:
         return False
 
     # -- telemetry --------------------------------------------------------------------------
+    def _snapshot(self, reason: str, meta: dict[str, Any]) -> None:
+        try:
+            self._emit("snapshot_saved", **snapshot.dump(self.snapshot_dir, self.device, step=self.steps,
+                                                         reason=reason), **meta)
+        except OSError as exc:
+            self._emit("control_refused", action="snapshot", reason=f"cannot write the snapshot: {exc}", **meta)
+        if not snapshot.recording():  # the first one shows only the present: record from now on
+            snapshot.start_history()
+
+    def _top_tensors(self) -> dict[str, Any]:
+        params = list(self.model.parameters())
+        return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
+                           optimizer_state=state_tensors(self.optimizer))
+
+    def _watch_thrashing(self, retries: int | None) -> None:
+        """The allocator retrying (freeing its whole cache, then allocating again) step after step
+        is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes."""
+        if retries is None:
+            return
+        last, streak = self._retries
+        streak = streak + 1 if retries > last else 0
+        self._retries = (retries, streak)
+        if streak >= THRASHING_STEPS and self.auto_recover and self._micro_batch() > 1:
+            current = self._micro_batch()
+            self.micro_batch = current // 2
+            self._retries = (retries, 0)
+            self._emit("thrashing", alloc_retries=retries, steps=streak, micro_batch=current,
+                       micro_batch_to=self.micro_batch, accumulation=math.ceil(self.batch_size / self.micro_batch))
+
     def _publish(self) -> None:
         now = time.monotonic()
         self._rate.append((now, self.samples))
@@ -467,6 +540,9 @@ class _Trainer:
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
         memory = self.probe.read()
         self._baseline = memory.allocated or 0
+        self._watch_thrashing(memory.alloc_retries)
+        if now - self._host_t >= HOST_INTERVAL:
+            self._host, self._host_t = read_host(), now
         if not math.isfinite(self.loss) and not self._warned_loss:
             self._warned_loss = True
             self._emit("loss_not_finite", loss=str(self.loss))
@@ -474,7 +550,7 @@ class _Trainer:
             t=time.time(), step=self.steps, epoch=self.epoch, loss=self.loss,
             batch_size=self.batch_size, micro_batch=self._micro_batch(), accumulation=self.accumulation,
             amp=self.precision.mode, checkpointing=self.checkpointing.enabled, samples_per_s=rate,
-            memory=memory, samples=self.samples,
+            memory=memory, samples=self.samples, host=self._host,
         ))
 
     def _emit(self, name: str, **details: Any) -> None:

@@ -19,7 +19,7 @@ from ..units import format_bytes
 from . import host
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """(storage address, storage bytes); views of one storage share it, so they count once."""
     try:
         storage = t.untyped_storage()
@@ -32,7 +32,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen: dict[int, int] = {}
     for t in tensors:
-        ptr, size = _storage_key(t)
+        ptr, size = storage_key(t)
         seen[ptr] = size
     return sum(seen.values())
 
@@ -48,7 +48,7 @@ class StateTracker:
         self.optimizer = optimizer
         self._params = [p for p in model.parameters()]
         self.params = tensor_bytes(self._params)
-        self._param_keys = frozenset(_storage_key(p)[0] for p in self._params)
+        self._param_keys = frozenset(storage_key(p)[0] for p in self._params)
         self.grads = 0
         self._has_grad: set[int] = set()
         self.optimizer_bytes = 0
@@ -60,7 +60,7 @@ class StateTracker:
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad
         ]
         self._sync_grads()
-        self.optimizer_bytes = tensor_bytes(_tensors(optimizer.state.values()))
+        self.optimizer_bytes = tensor_bytes(state_tensors(optimizer))
         self._optimizer_entries = len(optimizer.state)
 
     @property
@@ -85,7 +85,7 @@ class StateTracker:
         )
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr, size = _storage_key(t)
+        ptr, size = storage_key(t)
         if ptr not in self._saved:
             self._saved.add(ptr)
             self.activations += size
@@ -126,7 +126,7 @@ class StateTracker:
         entries = len(self.optimizer.state)
         if entries != self._optimizer_entries:
             self._optimizer_entries = entries
-            self.optimizer_bytes = tensor_bytes(_tensors(self.optimizer.state.values()))
+            self.optimizer_bytes = tensor_bytes(state_tensors(self.optimizer))
             self._grow("optimizer", self.optimizer_bytes)
 
     def reset(self) -> None:
@@ -147,15 +147,19 @@ class StateTracker:
         self._hooks = []
 
 
-def _tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """The tensors in optimizer state, which custom optimizers may nest in dicts or lists."""
-    for v in values:
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors in an optimizer's state, which custom optimizers may nest in dicts or lists."""
+    found: list[torch.Tensor] = []
+    pending: list[Any] = list(optimizer.state.values())
+    while pending:
+        v = pending.pop()
         if isinstance(v, torch.Tensor):
-            yield v
+            found.append(v)
         elif isinstance(v, dict):
-            yield from _tensors(v.values())
+            pending.extend(v.values())
         elif isinstance(v, (list, tuple)):
-            yield from _tensors(v)
+            pending.extend(v)
+    return found
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

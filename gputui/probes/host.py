@@ -10,6 +10,8 @@ import time
 
 import psutil
 
+from ..telemetry.sample import HostReading
+
 RSS_MAX_AGE = 0.2
 """Seconds a per-step RSS reading may be reused for."""
 
@@ -31,6 +33,18 @@ def rss(max_age: float = 0.0) -> int:
         _process = psutil.Process()
     _last = (now, _process.memory_info().rss)
     return _last[1]
+
+
+def read_host() -> HostReading:
+    """RSS, this process's CPU use since the last call, and system memory (about 50 us)."""
+    rss()  # refreshes _process for this pid
+    assert _process is not None
+    with _process.oneshot():
+        memory = _process.memory_info()
+        cpu = _process.cpu_percent(None)  # since the previous call; the first call says 0.0
+    system = psutil.virtual_memory()
+    return HostReading(rss=memory.rss, cpu_percent=cpu, system_used=system.total - system.available,
+                       system_total=system.total)
 
 
 def _load_malloc_trim():

@@ -24,6 +24,8 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
     "set_checkpointing": (True, False),
     "set_auto_recover": (True, False),
     "free_cache": None,
+    "snapshot": None,
+    "top_tensors": None,
     "pause": None,
     "resume": None,
     "stop": None,

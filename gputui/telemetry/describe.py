@@ -10,7 +10,7 @@ from .sample import Event
 _ACTIONS = {
     "halve_batch": "halve micro-batch", "double_batch": "double micro-batch", "set_amp": "AMP",
     "set_checkpointing": "checkpointing", "set_auto_recover": "auto-recover", "free_cache": "free cache",
-    "pause": "pause", "resume": "resume", "stop": "stop",
+    "snapshot": "snapshot", "top_tensors": "top tensors", "pause": "pause", "resume": "resume", "stop": "stop",
 }
 
 
@@ -24,6 +24,13 @@ def _cache(e: Event) -> str:
                 f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e['reserved_after'])})")
     return (f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e['rss_after'])} "
             "(CPU: gc + malloc_trim; there is no allocator cache)")
+
+
+def _top(e: Event) -> str:
+    rows = e.get("rows") or []
+    head = ", ".join(f"{r['count']} x {tuple(r['shape'])} {r['dtype']} {format_bytes(r['bytes'])}" for r in rows[:3])
+    partial = "" if e.get("complete", True) else " (scan cut short)"
+    return f"top tensors: {format_bytes(e.get('total_bytes'))} in {e.get('tensors')} tensors{partial}; {head}"
 
 
 _TEXT: dict[str, Callable[[Event], str]] = {
@@ -42,6 +49,12 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "stopped": lambda e: f"stopped ({e['reason']})",
     "control_refused": lambda e: f"{_ACTIONS.get(e['action'], e['action'])}: not applied, {e['reason']}",
     "loss_not_finite": lambda e: f"loss is {e['loss']}",
+    "thrashing": lambda e: (f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
+                            f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"),
+    "snapshot_saved": lambda e: (f"memory snapshot{' at the OOM' if e.get('reason') == 'oom' else ''}: {e['path']} "
+                                 "(open in pytorch.org/memory_viz)"
+                                 + ("" if e.get("history") else "; no history yet, recording from now on")),
+    "top_tensors": _top,
     "error": lambda e: f"error: {e['message']}",
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from .controls import Controls
@@ -31,7 +31,14 @@ class Overrides:
     """Settings given on the gputui command line; they win over the same fit() arguments."""
 
     memory_budget: int | None = None
+    gpu_memory_limit: int | None = None
+    memory_history: bool | None = None
+    snapshot_dir: str | None = None
     metrics: str | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fit() arguments the command line set (None: not given)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 class Hub:
@@ -42,6 +49,7 @@ class Hub:
         self._samples: deque[StepSample] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)
         self._sinks: list[Sink] = []
+        self.gpu_poller: Any = None  # an NvmlPoller once someone needs GPU readings: latest() -> GpuReading
         self.info: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.runs = 0

@@ -44,6 +44,21 @@ class Memory:
     activations: int | None = None
     alloc_retries: int | None = None
     ooms: int | None = None
+    active: int | None = None
+    device_free: int | None = None
+    nvml_used: int | None = None
+    """What NVML says this process holds on the device (or the device's whole "used" when
+    process figures are hidden, e.g. in a container): includes the CUDA context and memory
+    allocated outside PyTorch, which `reserved` cannot see."""
+    nvml_device_used: int | None = None
+
+    @property
+    def nvml_gap(self) -> int | None:
+        """NVML used minus PyTorch reserved: the CUDA context, cuBLAS/cuDNN/NCCL workspaces and
+        any other allocation outside PyTorch's caching allocator."""
+        if self.nvml_used is None or self.reserved is None:
+            return None
+        return self.nvml_used - self.reserved
 
     @property
     def cached_free(self) -> int | None:
@@ -51,6 +66,72 @@ class Memory:
         if self.reserved is None or self.allocated is None:
             return None
         return max(0, self.reserved - self.allocated)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "cached_free": self.cached_free, "nvml_gap": self.nvml_gap}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One process NVML sees on a GPU. None: NVML would not say (not supported, or hidden)."""
+
+    pid: int
+    gpu_memory: int | None
+    kind: str  # "compute" or "graphics"
+    user: str | None = None
+    command: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """One GPU as NVML reports it. Every field NVML may refuse is None ("n/a" on screen);
+    `error` says why the whole device could not be read, if it could not."""
+
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    utilization: int | None = None  # percent of time a kernel ran, over the last sample period
+    memory_used: int | None = None
+    memory_total: int | None = None
+    temperature: int | None = None  # degrees C
+    power: float | None = None  # watts
+    power_limit: float | None = None  # watts
+    processes: tuple[GpuProcess, ...] = ()
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["processes"] = [p.to_json() for p in self.processes]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """All GPUs at one moment. `status` is None when NVML answered, else one line saying why not
+    ("no NVIDIA driver is loaded", "the NVML library was not found", ...)."""
+
+    t: float
+    devices: tuple[GpuDevice, ...] = ()
+    driver: str | None = None
+    status: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": VERSION, "kind": "gpus", "t": round(self.t, 6), "driver": self.driver,
+                "status": self.status, "devices": [d.to_json() for d in self.devices]}
+
+
+@dataclass(frozen=True, slots=True)
+class HostReading:
+    """The host around the training process: its resident memory and CPU use, the system's memory."""
+
+    rss: int | None = None
+    cpu_percent: float | None = None  # of one core: 250 means two and a half cores busy
+    system_used: int | None = None
+    system_total: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -72,6 +153,7 @@ class StepSample:
     samples_per_s: float | None
     memory: Memory
     samples: int = 0
+    host: HostReading | None = None
 
     def to_json(self) -> dict[str, Any]:
         m = self.memory
@@ -96,6 +178,7 @@ class StepSample:
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 3),
             "samples": self.samples,
             "memory": m.to_json(),
+            "host": None if self.host is None else self.host.to_json(),
         }
 
 

@@ -1,0 +1,46 @@
+"""`gputui watch` in a real process, on whatever NVML this machine has (CI: none)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gputui.probes.nvml import read_gpus
+
+NVML = read_gpus()
+
+
+def gputui(*args):
+    return subprocess.run([sys.executable, "-m", "gputui", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args", [("--once", "--json"), ("--once",)])
+def test_watch_once(args):
+    done = gputui("watch", *args)
+
+    if NVML.status is None:  # a machine with a driver: the reading itself
+        assert done.returncode == 0 and done.stderr == ""
+        if "--json" in args:
+            assert len(json.loads(done.stdout)["devices"]) == len(NVML.devices)
+        else:
+            assert len(done.stdout.splitlines()) == 1 + len(NVML.devices)
+        return
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == f"gputui: {NVML.status}\n"
+    assert done.stderr.startswith("gputui: ") and len(done.stderr.splitlines()) == 1
+
+
+def test_watch_without_once_is_not_built_yet():
+    done = gputui("watch")
+
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "gputui: error: the interactive watch screen is not built yet; use --once\n"
+
+
+def test_watch_never_imports_torch():
+    code = ("import sys; from gputui.cli import main; code = main(['watch', '--once', '--json']); "
+            "print('torch' in sys.modules, 'textual' in sys.modules, code in (0, 1))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    assert done.stdout.splitlines()[-1] == "False False True"
