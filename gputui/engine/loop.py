@@ -358,6 +358,11 @@ class _Trainer:
             if reason:
                 return refuse(reason)
             self._snapshot("requested", meta)
+        elif action == "memory_summary":
+            reason = snapshot.unavailable(self.device)
+            if reason:
+                return refuse("memory_summary() is a CUDA allocator report")
+            self._emit("memory_summary", text=torch.cuda.memory_summary(self.device), **meta)
         elif action == "top_tensors":
             self._emit("top_tensors", **self._top_tensors(), **meta)
         elif action == "stop":

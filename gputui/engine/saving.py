@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from typing import Any
 
 import torch
@@ -15,8 +15,9 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     A crash, a second Ctrl-C or a full disk mid-save leaves the previous file intact.
     """
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    # os.open, not mkstemp: the file gets the mode a plain torch.save would give it (0666 & ~umask).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)

@@ -1,8 +1,10 @@
 """Top tensors: what is holding the memory, found the way the OOM guides do it, by walking gc.
 
 Groups the live, Python-visible tensors by shape, dtype, device and role (parameter, gradient,
-optimizer state, other), largest first. Storage shared by views counts once. The walk stops at
-a time budget so a heap of millions of objects cannot freeze training: the report says so.
+optimizer state, other), largest first. Storage shared by views counts once. The tensors the
+training loop knows (parameters, gradients, optimizer state) are always counted; the walk for
+the others stops at a time budget so a heap of millions of objects cannot stall training, and
+the report then says it is partial.
 """
 
 from __future__ import annotations
@@ -16,51 +18,70 @@ import torch
 
 from .cpu import storage_key
 
+_CHUNK = 20_000
+"""Objects checked between two looks at the clock."""
+
 
 def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[torch.Tensor] = (),
                 grads: Iterable[torch.Tensor] = (), optimizer_state: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
     start = time.monotonic()
-    roles = {id(t): "optimizer state" for t in optimizer_state}
-    roles.update({id(t): "gradient" for t in grads})
-    roles.update({id(t): "parameter" for t in params})
-    with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
-        warnings.simplefilter("ignore")
-        return _scan(limit, start, start + time_budget, roles)
-
-
-def _scan(limit: int, start: float, deadline: float, roles: dict[int, str]) -> dict[str, Any]:
-    objects = gc.get_objects()
     groups: dict[tuple[Any, ...], list[int]] = {}
     storages: set[int] = set()
-    scanned = tensors = 0
-    complete = True
-    for scanned, obj in enumerate(objects, 1):
-        if scanned % 4096 == 0 and time.monotonic() > deadline:
-            complete = False
-            break
+    known: set[int] = set()
+
+    def count(t: torch.Tensor, role: str) -> None:
         try:
-            if not isinstance(obj, torch.Tensor):
-                continue
-            ptr, size = storage_key(obj)
-            key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."), str(obj.device),
-                   roles.get(id(obj), "other"))
-        except Exception:  # noqa: BLE001 - lazy proxies, fake tensors: not ours to judge
-            continue
-        tensors += 1
+            ptr, size = storage_key(t)
+            key = (tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), role)
+        except Exception:  # noqa: BLE001 - fake or lazy tensors: not ours to judge
+            return
         group = groups.setdefault(key, [0, 0])
         group[0] += 1
         if ptr not in storages:
             storages.add(ptr)
             group[1] += size
-    del objects
+
+    for role, tensors in (("parameter", params), ("gradient", grads), ("optimizer state", optimizer_state)):
+        for t in tensors:
+            if id(t) not in known:
+                known.add(id(t))
+                count(t, role)
+    others, scanned, complete = _walk(start + time_budget)
+    for t in others:
+        if id(t) not in known:
+            count(t, "other")
     rows = sorted(groups.items(), key=lambda kv: kv[1][1], reverse=True)
     return {
         "rows": [{"shape": list(k[0]), "dtype": k[1], "device": k[2], "role": k[3], "count": c, "bytes": b}
                  for k, (c, b) in rows[:limit]],
         "groups": len(rows),
-        "tensors": tensors,
+        "tensors": sum(c for _, (c, _) in rows),
         "total_bytes": sum(b for _, (_, b) in rows),
         "scanned": scanned,
         "complete": complete,
         "elapsed_s": round(time.monotonic() - start, 4),
     }
+
+
+def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
+    """The tensors among gc's objects, checked in chunks until `deadline`."""
+    objects = gc.get_objects()
+    found: list[torch.Tensor] = []
+    with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        for begin in range(0, len(objects), _CHUNK):
+            if time.monotonic() > deadline:
+                return found, begin, False
+            chunk = objects[begin:begin + _CHUNK]
+            try:
+                found += [o for o in chunk if isinstance(o, torch.Tensor)]
+            except Exception:  # noqa: BLE001 - an object whose __class__ raises: check one by one
+                found += [o for o in chunk if _is_tensor(o)]
+    return found, len(objects), True
+
+
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except Exception:  # noqa: BLE001
+        return False

@@ -26,6 +26,7 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
     "free_cache": None,
     "snapshot": None,
     "top_tensors": None,
+    "memory_summary": None,
     "pause": None,
     "resume": None,
     "stop": None,

@@ -10,7 +10,7 @@ from .sample import Event
 _ACTIONS = {
     "halve_batch": "halve micro-batch", "double_batch": "double micro-batch", "set_amp": "AMP",
     "set_checkpointing": "checkpointing", "set_auto_recover": "auto-recover", "free_cache": "free cache",
-    "snapshot": "snapshot", "top_tensors": "top tensors", "pause": "pause", "resume": "resume", "stop": "stop",
+    "snapshot": "snapshot", "top_tensors": "top tensors", "memory_summary": "memory summary", "pause": "pause", "resume": "resume", "stop": "stop",
 }
 
 
@@ -55,6 +55,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
                                  "(open in pytorch.org/memory_viz)"
                                  + ("" if e.get("history") else "; no history yet, recording from now on")),
     "top_tensors": _top,
+    "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",
     "error": lambda e: f"error: {e['message']}",
 }
 

@@ -48,6 +48,8 @@ class Hub:
         self._lock = threading.Lock()
         self._samples: deque[StepSample] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)
+        self._published = 0  # samples ever published: a reader's cursor counts against it
+        self._emitted = 0
         self._sinks: list[Sink] = []
         self.gpu_poller: Any = None  # an NvmlPoller once someone needs GPU readings: latest() -> GpuReading
         self.info: dict[str, Any] | None = None
@@ -73,12 +75,14 @@ class Hub:
     def publish(self, sample: StepSample) -> None:
         with self._lock:
             self._samples.append(sample)
+            self._published += 1
         for sink in self._sinks:
             sink.on_sample(sample)
 
     def emit(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
+            self._emitted += 1
         for sink in self._sinks:
             sink.on_event(event)
 
@@ -87,6 +91,16 @@ class Hub:
             self.summary = summary
         for sink in self._sinks:
             sink.on_end(summary)
+
+    def since(self, cursor: tuple[int, int]) -> tuple[list[StepSample], list[Event], tuple[int, int]]:
+        """What was published after `cursor` ((0, 0) at first), and the cursor to pass next time.
+
+        A reader slower than the ring gets what the ring still holds: it misses samples, never
+        blocks the publisher."""
+        with self._lock:
+            samples = _tail(self._samples, self._published - cursor[0])
+            events = _tail(self._events, self._emitted - cursor[1])
+            return samples, events, (self._published, self._emitted)
 
     def latest(self) -> StepSample | None:
         with self._lock:
@@ -99,6 +113,14 @@ class Hub:
     def events(self) -> list[Event]:
         with self._lock:
             return list(self._events)
+
+
+def _tail(ring: deque[Any], count: int) -> list[Any]:
+    if count <= 0:
+        return []
+    if count >= len(ring):
+        return list(ring)
+    return list(ring)[-count:]
 
 
 _current: Hub | None = None

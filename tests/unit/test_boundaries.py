@@ -15,7 +15,8 @@ def modules_after(code: str) -> set[str]:
 @pytest.mark.parametrize("module", [
     "gputui", "gputui.cli", "gputui.units", "gputui.launch", "gputui.telemetry.hub",
     "gputui.telemetry.controls", "gputui.telemetry.progress", "gputui.telemetry.jsonl",
-    "gputui.telemetry.describe", "gputui.engine.result",
+    "gputui.telemetry.describe", "gputui.telemetry.history", "gputui.engine.result", "gputui.probes.nvml",
+    "gputui.watch",
 ])
 def test_no_torch_no_textual(module):
     loaded = modules_after(f"import {module}")
@@ -31,3 +32,14 @@ def test_help_does_not_import_torch():
 def test_engine_and_probes_never_import_textual(module):
     loaded = modules_after(f"import {module}")
     assert "torch" in loaded and "textual" not in loaded
+
+
+@pytest.mark.parametrize("module", ["gputui.tui.app", "gputui.tui.screens"])
+def test_the_tui_never_imports_torch(module):
+    loaded = modules_after(f"import {module}")
+    assert "textual" in loaded and "torch" not in loaded
+
+
+def test_the_view_model_needs_neither():
+    loaded = modules_after("import gputui.tui.model")
+    assert "textual" not in loaded and "torch" not in loaded

@@ -82,7 +82,7 @@ def test_top_tensors_groups_roles_and_shared_storage():
 
 def test_top_tensors_stops_at_its_time_budget():
     report = top_tensors(time_budget=0.0)
-    assert report["complete"] is False and report["scanned"] >= 4096
+    assert report["complete"] is False and report["scanned"] == 0
 
 
 def test_top_tensors_and_snapshot_controls_on_cpu(hub):

@@ -1,0 +1,50 @@
+"""A whole run's history in bounded memory: full resolution until it is long, then coarser.
+
+The loss chart and the memory chart show the entire run, however long. When a series reaches
+`capacity` points, neighbouring pairs merge (loss by mean, memory by max, so a peak is never
+averaged away) and each point then stands for twice as many steps.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import fmean
+from typing import Callable, Sequence
+
+
+class History:
+    def __init__(self, capacity: int = 4096, reduce: Callable[[Sequence[float]], float] = fmean) -> None:
+        if capacity < 2 or capacity % 2:
+            raise ValueError("capacity must be an even number of points")
+        self.capacity = capacity
+        self.reduce = reduce
+        self.steps: list[int] = []
+        self.values: list[float] = []
+        self.stride = 1  # steps per point once merged
+        self._pending: list[tuple[int, float]] = []
+
+    def add(self, step: int, value: float | None) -> None:
+        if value is None or not math.isfinite(value):
+            return
+        if self.stride > 1:  # gather `stride` raw points into one
+            self._pending.append((step, value))
+            if len(self._pending) < self.stride:
+                return
+            step, value = self._pending[-1][0], self.reduce([v for _, v in self._pending])
+            self._pending = []
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.values) >= self.capacity:
+            self._halve()
+
+    def _halve(self) -> None:
+        pairs = range(0, len(self.values) - 1, 2)
+        self.steps = [self.steps[i + 1] for i in pairs]
+        self.values = [self.reduce(self.values[i:i + 2]) for i in pairs]
+        self.stride *= 2
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def clear(self) -> None:
+        self.steps, self.values, self.stride, self._pending = [], [], 1, []

@@ -1,0 +1,279 @@
+"""The Textual app: the main screen over a Source, keys that send controls, the script in a thread.
+
+The UI thread is the only one that touches widgets: a timer pulls from the source a few times a
+second (`--refresh`) and re-renders inside one batch_update. The training thread never waits
+on the UI: it publishes into the hub and drains controls at its step boundaries.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from functools import partial
+from typing import Any, Callable
+
+from textual import events
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from .model import KEYS, OutputLog, RunView, Source
+from .screens import (ConfirmQuit, FailureScreen, HelpScreen, LogScreen, MemoryScreen, OomScreen, Overlay,
+                      TopTensorsScreen)
+from .widgets import GpuLine, HeaderBar, LossPanel, MemoryPanel, RemediesBar, Timeline
+
+Runner = Callable[[io.StringIO], int]
+"""Runs the training script (writing any failure report to the stream); returns its exit code."""
+
+
+class ScriptEnded(Message):
+    def __init__(self, code: int, report: str) -> None:
+        super().__init__()
+        self.code, self.report = code, report
+
+
+class Actions(Provider):
+    """The command palette: every key's action, with why it cannot act when it cannot."""
+
+    async def discover(self) -> Hits:
+        app: GputuiApp = self.app  # type: ignore[assignment]
+        for key, name, help in app.palette():
+            yield DiscoveryHit(name, partial(app.act, key.action), help=help)
+
+    async def search(self, query: str) -> Hits:
+        app: GputuiApp = self.app  # type: ignore[assignment]
+        matcher = self.matcher(query)
+        for key, name, help in app.palette():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), partial(app.act, key.action), help=help)
+
+
+class MainScreen(Screen[None]):
+    """The panels, and the keys: bound here so screens above it do not list them in their footers."""
+
+    BINDINGS = [Binding(k.key, f"app.{k.action}", k.label, key_display="?" if k.key == "question_mark" else None)
+                for k in KEYS]
+
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="panels"):
+            yield MemoryPanel(id="memory")
+            yield LossPanel(id="loss")
+        yield RemediesBar(id="remedies")
+        yield Timeline(id="timeline")
+        yield GpuLine(id="gpus")
+        yield Footer()
+
+    ready = False
+    """True once the panels are mounted: pulls before that only fold data into the view."""
+
+    def on_mount(self) -> None:
+        self.ready = True
+        self.query_one("#memory").border_title = "memory"
+        self.query_one("#loss").border_title = "loss"
+        self.query_one("#timeline").border_title = "events"
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.set_class(event.size.height < 30, "-short")
+        self.set_class(event.size.height >= 45, "-tall")
+
+    def on_key(self, event: events.Key) -> None:
+        """A dimmed key does nothing, but says why."""
+        key = next((k for k in KEYS if k.key == event.key), None)
+        reason = self.app.why_not(key.action) if key is not None else None  # type: ignore[attr-defined]
+        if reason:
+            self.notify(reason, title=key.label, severity="warning", timeout=4)
+
+
+class GputuiApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "gputui"
+    COMMANDS = App.COMMANDS | {Actions}
+    BINDINGS = [Binding("ctrl+c", "interrupt", "stop", show=False, priority=True)]
+
+    def __init__(self, source: Source, *, script: str, runner: Runner | None = None, refresh: float = 4.0,
+                 clock: Callable[[], float] = time.monotonic, output: OutputLog | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.view = RunView(clock=clock, script=script)
+        self.runner = runner
+        self.refresh_hz = refresh
+        self.output = output or OutputLog()
+        self._thread: threading.Thread | None = None
+        self._quitting = False
+        self._oom_shown: Any = None
+        self._availability: tuple[str | None, ...] = ()
+
+    def on_mount(self) -> None:
+        self.main = MainScreen()
+        self.push_screen(self.main)
+        self.begin_capture_print(self)
+        if self.runner is not None:
+            # Our own daemon thread, not a Textual worker: executor threads are joined at exit,
+            # so a script still running would hang a forced quit.
+            self._thread = threading.Thread(target=self._run_script, name="gputui-training", daemon=True)
+            self._thread.start()
+        self.set_interval(1 / self.refresh_hz, self.pull)
+        self.pull()
+
+    @property
+    def training_thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def _run_script(self) -> None:
+        report = io.StringIO()
+        try:
+            code = self.runner(report)  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - reported on screen, never lost
+            code = 1
+            report.write(f"gputui: {type(exc).__name__}: {exc}\n")
+        self.post_message(ScriptEnded(code, report.getvalue()))
+
+    # -- the pull --------------------------------------------------------------------------------
+    def pull(self) -> None:
+        if not self.view.apply(self.source.poll()) and not self.view.training:
+            return
+        if not self.main.ready:  # pushed, not composed yet: the next pull renders
+            return
+        with self.batch_update():
+            for widget in self.main.query("#header, #memory, #loss, #remedies, #timeline, #gpus"):
+                widget.refresh()
+            for line in self.main.query("#gpus"):  # query, not query_one: gone while the app closes
+                line.display = self.view.gpus is not None
+            if isinstance(self.screen, Overlay):
+                self.screen.update()
+        availability = tuple(self.why_not(k.action) for k in KEYS)
+        if availability != self._availability:
+            self._availability = availability
+            self.refresh_bindings()
+        oom = self.view.waiting_oom
+        if oom is not None and oom is not self._oom_shown:
+            self._oom_shown = oom
+            why = {a: self.why_not(k) for a, k in (("halve_batch", "halve_batch"),
+                                                  ("set_checkpointing", "toggle_checkpointing"))}
+            self.push_screen(OomScreen(self.view, why), self._oom_choice)
+
+    def on_script_ended(self, message: ScriptEnded) -> None:
+        self.pull()  # the last samples first: a short run can end between two pulls
+        failure = message.report or (f"exit code {message.code}" if message.code else None)
+        self.view.script_ended(message.code, failure if message.code else None)
+        self.pull()
+        if self._quitting:
+            self.exit(message.code)
+        elif message.code:
+            self.push_screen(FailureScreen())
+
+    def on_print(self, event: events.Print) -> None:
+        self.output.write(event.text)
+
+    # -- keys ------------------------------------------------------------------------------------
+    def why_not(self, action: str) -> str | None:
+        return self.view.why_not(action, self.source.watch_only)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return None if self.why_not(action) else True
+
+    def palette(self) -> list[tuple[Any, str, str]]:
+        rows = []
+        for k in KEYS:
+            reason = self.why_not(k.action)
+            rows.append((k, f"{k.label} ({'?' if k.key == 'question_mark' else k.key})",
+                         f"unavailable: {reason}" if reason else k.help))
+        return rows
+
+    def act(self, action: str) -> None:
+        """Run an action by name, or say why it cannot run now (the palette's way in)."""
+        reason = self.why_not(action)
+        if reason:
+            self.notify(reason, severity="warning", timeout=4)
+        else:
+            self.run_action(action)
+
+    def send(self, action: str, value: Any = None, text: str | None = None) -> None:
+        request = self.source.request(action, value)
+        self.view.requested(request, text or action.replace("_", " "))
+        self.pull()
+
+    def action_halve_batch(self) -> None:
+        s = self.view.latest
+        self.send("halve_batch", text=f"halve micro-batch{f' ({s.micro_batch} -> {s.micro_batch // 2})' if s else ''}")
+
+    def action_double_batch(self) -> None:
+        self.send("double_batch", text="double micro-batch")
+
+    def action_cycle_amp(self) -> None:
+        mode = self.view.next_amp()
+        self.send("set_amp", mode, text=f"AMP {mode}")
+
+    def action_toggle_checkpointing(self) -> None:
+        on = not self.view.checkpointing
+        self.send("set_checkpointing", on, text=f"checkpointing {'on' if on else 'off'}")
+
+    def action_free_cache(self) -> None:
+        self.send("free_cache", text="free cache")
+
+    def action_toggle_auto_recover(self) -> None:
+        on = not self.view.auto_recover
+        self.send("set_auto_recover", on, text=f"auto-recover {'on' if on else 'off'}")
+
+    def action_toggle_pause(self) -> None:
+        self.send("resume" if self.view.paused else "pause")
+
+    def action_snapshot(self) -> None:
+        self.send("snapshot", text="memory snapshot")
+
+    def action_top_tensors(self) -> None:
+        self.send("top_tensors", text="top tensors")
+        self.push_screen(TopTensorsScreen())
+
+    def action_memory(self) -> None:
+        if self.view.device.startswith("cuda") and self.view.training and not self.source.watch_only:
+            self.send("memory_summary", text="memory summary")
+        self.push_screen(MemoryScreen())
+
+    def action_log(self) -> None:
+        self.push_screen(LogScreen())
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def _oom_choice(self, choice: str | None) -> None:
+        if not choice:
+            return
+        values = {"set_amp": "bf16", "set_checkpointing": True}
+        self.send(choice, values.get(choice), text=f"after the OOM: {choice.replace('_', ' ')}")
+
+    # -- leaving ---------------------------------------------------------------------------------
+    def action_quit(self) -> None:  # type: ignore[override]
+        if self._quitting or not self._script_running():
+            self._leave()
+        else:
+            self.push_screen(ConfirmQuit(), lambda yes: self._stop_then_quit() if yes else None)
+
+    def action_interrupt(self) -> None:
+        """Ctrl-C: stop after the current step and quit; a second one quits at once."""
+        if self._quitting or not self._script_running():
+            self._leave()
+        else:
+            self._stop_then_quit()
+
+    def _script_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _stop_then_quit(self) -> None:
+        self._quitting = True
+        self.view.stopping = True
+        if self.view.training:
+            self.send("stop", text="stop")
+        self.notify("Stopping after the current step; the script then finishes (its save runs). "
+                    "q again quits at once.", timeout=10)
+
+    def _leave(self) -> None:
+        code = self.view.exit_code
+        self.exit(code if code is not None else (130 if self._script_running() else 0))

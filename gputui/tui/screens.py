@@ -1,0 +1,277 @@
+"""Screens over the main one: help, OOM dialog, top tensors, memory readings, the script's log,
+quit confirmation, and the failure report."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Footer, Label, RichLog, Static
+
+from ..units import format_bytes
+from .model import KEYS, RunView
+
+if TYPE_CHECKING:
+    from .app import GputuiApp
+
+
+class Overlay(Screen[None]):
+    """A full screen the user leaves with escape (or its own key again)."""
+
+    BINDINGS = [Binding("escape", "dismiss", "back"), Binding("q", "dismiss", "back", show=False)]
+
+    @property
+    def view(self) -> RunView:
+        return self.app.view  # type: ignore[attr-defined]
+
+    @property
+    def gapp(self) -> GputuiApp:
+        return self.app  # type: ignore[return-value]
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss()
+
+    def update(self) -> None:
+        """Called by the app after each pull while this screen is on top."""
+
+
+class HelpScreen(Overlay):
+    BINDINGS = [*Overlay.BINDINGS, Binding("question_mark", "dismiss", "back", show=False)]
+
+    def compose(self) -> ComposeResult:
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold", no_wrap=True)
+        keys.add_column()
+        for k in KEYS:
+            keys.add_row("?" if k.key == "question_mark" else k.key, k.help)
+        keys.add_row("ctrl+c", "Stop after the current step, then quit (twice: quit now).")
+        keys.add_row("ctrl+p", "Command palette: every action above, searchable.")
+        panels = Text.from_markup(
+            "[b]Memory[/b]: the bar is the device's capacity (CUDA: total or --gpu-memory-limit; CPU: the "
+            "budget, else the machine's memory). [blue]allocated[/] = live tensors; [cyan]reserved[/] = held by PyTorch's caching "
+            "allocator (allocated + cached free); [yellow]fragmented[/] = freed pieces of segments still in "
+            "use, which empty_cache cannot return; [magenta]other[/] = what NVML sees beyond reserved: the CUDA "
+            "context, cuBLAS/cuDNN/NCCL workspaces, other processes. ┃ marks this step's peak; a red ┃ and a "
+            "warning mean the peak is within 10% of the capacity. retries = the allocator freed its cache to "
+            "satisfy an allocation (slow, the road to an OOM).\n\n"
+            "[b]Remedies[/b] apply at the next step boundary, never inside an accumulation window; the timeline "
+            "shows each request and when it was applied.\n\n"
+            "[b]OOM[/b]: with auto-recover on, the step is replayed with half the micro-batch (same batch, same "
+            "RNG, counters untouched); off, a dialog asks what to do.")
+        yield VerticalScroll(Static(Group(Text("Keys", style="bold underline"), keys, Text(""),
+                                          Text("What the panels mean", style="bold underline"), panels),
+                                    id="help-text"))
+        yield Footer()
+
+
+class OomScreen(ModalScreen[str | None]):
+    """Auto-recover is off and a step ran out of memory: the user picks the remedy."""
+
+    BINDINGS = [Binding("b", "pick('halve_batch')", "halve"), Binding("a", "pick('set_amp')", "AMP bf16"),
+                Binding("c", "pick('set_checkpointing')", "ckpt"), Binding("f", "pick('free_cache')", "free"),
+                Binding("r", "pick('resume')", "retry"), Binding("x", "pick('stop')", "stop"),
+                Binding("escape", "pick('')", "later")]
+
+    def __init__(self, view: RunView, why_not: dict[str, str | None]) -> None:
+        super().__init__()
+        self.view_state = view
+        self.why_not = why_not
+
+    def compose(self) -> ComposeResult:
+        e = self.view_state.waiting_oom
+        m = self.view_state.latest.memory if self.view_state.latest else None
+        details = Text()
+        if e is not None:
+            details.append(f"Out of memory in {e['phase']} of step {e.step + 1} at micro-batch {e['micro_batch']}.\n",
+                           style="bold red")
+            details.append(f"{e['message']}\n", style="dim")
+        if m is not None:
+            figures = [f"{name} {format_bytes(value)}" for name, value in (
+                ("allocated", m.allocated), ("reserved", m.reserved), ("fragmented", m.fragmented),
+                ("step peak", m.peak), ("capacity", m.capacity)) if value is not None]
+            details.append(f"Memory after the last good step: {', '.join(figures)}.\n")
+        details.append("Training waits here: pick a remedy and the same batch is retried with it "
+                       "(escape decides later; the keys on the main screen still work).", style="dim")
+        with Vertical(id="oom-dialog"):
+            yield Label("Training paused: out of memory (auto-recover is off)", id="oom-title")
+            yield Static(details, id="oom-details")
+            with Horizontal(id="oom-buttons"):
+                for action, label in (("halve_batch", "[b] halve batch"), ("set_amp", "[a] AMP bf16"),
+                                      ("set_checkpointing", "[c] checkpointing"), ("free_cache", "[f] free cache"),
+                                      ("resume", "[r] retry as is"), ("stop", "[x] stop")):
+                    yield Button(Text(label), id=action, variant="error" if action == "stop" else "primary",
+                                 disabled=bool(self.why_not.get(action)),
+                                 tooltip=self.why_not.get(action))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id)
+
+    def action_pick(self, action: str) -> None:
+        if action and self.why_not.get(action):
+            self.app.notify(self.why_not[action], severity="warning")
+            return
+        self.dismiss(action or None)
+
+
+class TopTensorsScreen(Overlay):
+    BINDINGS = [*Overlay.BINDINGS, Binding("t", "dismiss", "back", show=False), Binding("r", "scan", "rescan")]
+
+    def compose(self) -> ComposeResult:
+        yield Static("Scanning the live tensors at the next step boundary…", id="top-status")
+        table = DataTable(id="top-table", zebra_stripes=True, cursor_type="row")
+        table.add_columns("bytes", "count", "shape", "dtype", "device", "role")
+        yield table
+        yield Footer()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shown = None  # the top_tensors event on screen
+
+    def on_mount(self) -> None:
+        self.update()
+
+    def action_scan(self) -> None:
+        self.gapp.send("top_tensors")
+        self.query_one("#top-status", Static).update("Scanning again at the next step boundary…")
+
+    def update(self) -> None:
+        if self.is_mounted and self.view.top is not self._shown:
+            self._shown = self.view.top
+            self._fill()
+
+    def _fill(self) -> None:
+        e = self._shown
+        if e is None:
+            return
+        table = self.query_one("#top-table", DataTable)
+        table.clear()
+        for r in e["rows"]:
+            table.add_row(Text(format_bytes(r["bytes"]), justify="right"), str(r["count"]),
+                          "×".join(map(str, r["shape"])) or "scalar", r["dtype"], r["device"], r["role"])
+        note = "" if e.get("complete", True) else " (scan cut short at its time budget: a partial view)"
+        self.query_one("#top-status", Static).update(
+            f"{format_bytes(e['total_bytes'])} in {e['tensors']} tensors ({e['groups']} groups) at step "
+            f"{e.step}, scanned in {e['elapsed_s'] * 1000:.0f} ms{note}. Views share storage: counted once. "
+            "r rescans.")
+
+
+class MemoryScreen(Overlay):
+    BINDINGS = [*Overlay.BINDINGS, Binding("m", "dismiss", "back", show=False)]
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(Static(id="memory-text"))
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.update()
+
+    def update(self) -> None:
+        if self.is_mounted:
+            self.query_one("#memory-text", Static).update(memory_report(self.view))
+
+
+def memory_report(v: RunView) -> Group:
+    s = v.latest
+    if s is None:
+        return Group(Text("No step yet.", style="dim"))
+    m = s.memory
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(style="dim")
+    rows = [
+        ("allocated", m.allocated, "live tensors" if m.reserved is not None else
+         "tracked training state: parameters + gradients + optimizer state + saved activations"),
+        ("reserved", m.reserved, "segments PyTorch's caching allocator holds (allocated + cached free)"),
+        ("cached free", m.cached_free, "reserved but holding no tensor: reused before asking the device"),
+        ("fragmented", m.fragmented, "inactive split blocks: free pieces of segments still partly in use"),
+        ("active", m.active, "allocated + blocks freed but not yet reusable (pending stream work)"),
+        ("step peak", m.peak, "the most allocated during the last step"),
+        ("capacity", m.capacity, "device total, --gpu-memory-limit, or the CPU budget"),
+        ("device free", m.device_free, "cudaMemGetInfo: free on the whole device, other processes included"),
+        ("NVML used (this process)", m.nvml_used, "what the driver charges this process"),
+        ("NVML - reserved", m.nvml_gap, "CUDA context, cuBLAS/cuDNN/NCCL workspaces: outside PyTorch"),
+        ("NVML used (device)", m.nvml_device_used, "every process on the device"),
+        ("parameters", m.params, "CPU tracking"),
+        ("gradients", m.grads, "CPU tracking (freed after each optimizer step)"),
+        ("optimizer state", m.optimizer, "CPU tracking (appears at the first step)"),
+        ("saved activations", m.activations, "CPU tracking (freed by backward)"),
+        ("RSS", m.rss, "this process's resident memory (host)"),
+    ]
+    for name, value, meaning in rows:
+        if value is not None:
+            table.add_row(name, format_bytes(value), meaning)
+    table.add_row("alloc retries", str(m.alloc_retries if m.alloc_retries is not None else "n/a"),
+                  "the allocator freed its cache to satisfy a request: slow, a warning sign")
+    table.add_row("OOMs", str(v.ooms), "seen in this run (recovered or not)")
+    if s.host is not None:
+        h = s.host
+        table.add_row("system memory", f"{format_bytes(h.system_used)} / {format_bytes(h.system_total)}", "host")
+        table.add_row("CPU", f"{h.cpu_percent:.0f} %" if h.cpu_percent is not None else "n/a",
+                      "this process, 100% = one core")
+    parts = [Text(f"Memory at step {s.step} on {m.device}", style="bold underline"), table]
+    if v.cuda_summary:
+        parts += [Text(""), Text("torch.cuda.memory_summary()", style="bold underline"), Text(v.cuda_summary)]
+    return Group(*parts)
+
+
+class LogScreen(Overlay):
+    """The script's own stdout and stderr, kept from the start of the run."""
+
+    BINDINGS = [*Overlay.BINDINGS, Binding("l", "dismiss", "back", show=False)]
+
+    def compose(self) -> ComposeResult:
+        yield RichLog(id="log", highlight=False, markup=False, wrap=True, max_lines=10_000)
+        yield Footer()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._position = 0  # lines of the output already shown
+
+    def on_mount(self) -> None:
+        self.update()
+
+    def update(self) -> None:
+        if not self.is_mounted:
+            return
+        lines, self._position = self.gapp.output.since(self._position)
+        log = self.query_one(RichLog)
+        for line in lines:
+            log.write(line)
+
+
+class ConfirmQuit(ModalScreen[bool]):
+    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no"),
+                Binding("q", "answer(True)", "yes", show=False)]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm"):
+            yield Label("Training is running. Stop after the current step and quit?\n"
+                        "(the script's code after fit() still runs: your save happens)")
+            with Horizontal(id="confirm-buttons"):
+                yield Button(Text("[y] stop and quit"), id="yes", variant="error")
+                yield Button(Text("[n] keep training"), id="no", variant="primary")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class FailureScreen(Overlay):
+    """The script failed: its traceback and what to do, over the figures it reached."""
+
+    def compose(self) -> ComposeResult:
+        v = self.view
+        head = Text(f"{v.script} failed (exit code {v.exit_code}).", style="bold red")
+        advice = Text("The figures it reached stay on the main screen (escape). Fix the script and run it again; "
+                      "l shows its output, q quits with its exit code.", style="dim")
+        yield VerticalScroll(Static(Group(head, Text(""), Text(v.failure or ""), advice), id="failure-text"))
+        yield Footer()

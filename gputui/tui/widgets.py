@@ -1,0 +1,317 @@
+"""The main screen's panels. Each renders from the app's RunView on every refresh; none holds state."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+from ..telemetry.sample import GpuDevice, HostReading, Memory
+from ..units import format_bytes
+from .chart import Series, plot, smooth
+from .model import RunView
+
+if TYPE_CHECKING:
+    from .app import GputuiApp
+
+# Segment styles of the memory bar (readable on dark and light themes: Rich named colours).
+ALLOCATED, FRAGMENTED, CACHED, OTHER, FREE = "bold blue", "bold yellow", "cyan", "magenta", "dim"
+WARN_AT = 0.90  # of capacity: the panel warns when the step peak passes it
+
+
+def gib(n: int | float | None) -> str:
+    """Compact binary size for narrow panels: 9.25G, 812M, 12K."""
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
+    return f"{n:.0f}B"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+class Panel(Widget):
+    """A widget that renders from the app's view."""
+
+    @property
+    def view(self) -> RunView:
+        return self.app.view  # type: ignore[attr-defined]
+
+    @property
+    def gapp(self) -> GputuiApp:
+        return self.app  # type: ignore[return-value]
+
+
+class HeaderBar(Panel):
+    """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...)."""
+
+    def render(self) -> RenderableType:
+        v = self.view
+        info = v.info or {}
+        s = v.latest
+        status = v.status
+        status_style = {"training": "bold green", "failed": "bold red", "OOM: waiting": "bold red",
+                        "paused": "bold yellow", "stopping": "bold yellow"}.get(status, "bold")
+        device = (info.get("device_name") or "…").removeprefix("NVIDIA ")
+        # (priority: lower survives longer, text, style), in display order
+        parts: list[tuple[int, str, str]] = [(0, " gputui ", "bold reverse"), (0, f" {v.script} ", "bold"),
+                                             (5, f"│ {device} ", ""), (0, "│ ", ""), (0, status, status_style)]
+        if s is not None:
+            total, epochs = info.get("total_steps"), info.get("epochs")
+            parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
+            parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
+            if s.samples_per_s:
+                parts.append((2, f" │ {s.samples_per_s:,.0f} samples/s", ""))
+        if v.eta is not None:
+            parts.append((3, f" │ ETA {duration(v.eta)}", ""))
+        parts.append((6, f" │ {duration(v.elapsed)}", "dim"))
+        width = self.content_size.width or 80
+        while sum(len(t) for _, t, _ in parts) > width and max(p for p, _, _ in parts) > 0:
+            drop = max(p for p, _, _ in parts)
+            parts = [part for part in parts if part[0] != drop]
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for _, part, style in parts:
+            text.append(part, style=style)
+        return text
+
+
+class MemoryPanel(Panel):
+    """The device's capacity as one bar, the figures beside it, and the run's memory history."""
+
+    def render(self) -> RenderableType:
+        v = self.view
+        width, height = self.content_size.width, self.content_size.height
+        m = v.latest.memory if v.latest else None
+        if m is None:
+            return Text("waiting for the first step…", style="dim")
+        host = v.latest.host if v.latest else None
+        lines: list[RenderableType] = [memory_bar(m, width, host)]
+        lines.extend(memory_figures(m, width, v.ooms, host))
+        warning = memory_warning(m)
+        if warning:
+            lines.append(Text(warning, style="bold red"))
+        rows = height - len(lines) - 1
+        if rows >= 2:
+            series = [Series(v.reserved.values, CACHED, peaks=True)] if len(v.reserved) else []
+            series += [Series(v.peak.values, "yellow", peaks=True), Series(v.allocated.values, ALLOCATED, peaks=True)]
+            top = m.capacity if m.capacity and m.capacity < 2 * max(v.peak.values or [0]) else None
+            lines.extend(plot(series, width, rows, low=0, high=top, label=gib))
+            lines.append(axis(v.allocated.steps, width))
+        return Group(*lines)
+
+
+def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
+    """[allocated|fragmented|cached|other|free] over the capacity, the step peak marked with ┃.
+
+    A CPU without a budget has no capacity but the machine's: the bar is then system memory,
+    with the training state, the rest of this process and the other processes in it."""
+    capacity = m.capacity or (host.system_total if host else None) or m.rss or m.allocated or 1
+    if m.reserved is None and not m.capacity and host is not None and host.rss and host.system_used:
+        state = m.allocated or 0
+        parts = [(state, ALLOCATED), (max(0, host.rss - state), CACHED), (max(0, host.system_used - host.rss), OTHER)]
+    elif m.reserved is not None:  # a caching allocator: CUDA, MPS
+        fragmented = min(m.fragmented or 0, m.cached_free or 0)
+        parts = [(m.allocated or 0, ALLOCATED), (fragmented, FRAGMENTED),
+                 ((m.cached_free or 0) - fragmented, CACHED)]
+        used = m.reserved
+        if m.nvml_device_used is not None and m.nvml_device_used > used:
+            parts.append((m.nvml_device_used - used, OTHER))
+            used = m.nvml_device_used
+    else:  # CPU: tracked training state within the budget (or within RSS)
+        parts = [(m.params or 0, ALLOCATED), (m.optimizer or 0, CACHED), ((m.grads or 0) + (m.activations or 0), OTHER)]
+        used = m.allocated or 0
+    count = max(4, width)
+    cells: list[tuple[str, str]] = []
+    for size, style in parts:
+        n = max(0, min(round(size / capacity * count), count - len(cells)))
+        cells += [("█", style)] * n
+    cells += [("░", FREE)] * (count - len(cells))
+    if m.peak:
+        share = m.peak / capacity
+        cells[min(count - 1, round(share * count))] = ("┃", "bold red" if share >= WARN_AT else "bold")
+    text = Text(no_wrap=True)
+    for char, style in cells:
+        text.append(char, style=style)
+    return text
+
+
+def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = None) -> list[Text]:
+    long = width >= 56
+    size = format_bytes if long else gib
+    capacity = f" of {size(m.capacity)}" if m.capacity else ""
+    if m.reserved is not None:
+        first = Text(no_wrap=True, overflow="ellipsis")
+        first.append("■", style=ALLOCATED).append(f" {'allocated' if long else 'alloc'} {size(m.allocated)}  ")
+        first.append("■", style=CACHED).append(f" {'reserved' if long else 'resv'} {size(m.reserved)}  ")
+        first.append("■", style=FRAGMENTED).append(f" {'fragmented' if long else 'frag'} {size(m.fragmented)}")
+        second = Text(f"peak {size(m.peak)}{capacity}", no_wrap=True, overflow="ellipsis")
+        second.append(f" · retries {m.alloc_retries or 0}", style="bold red" if m.alloc_retries else "")
+        second.append(f" · OOMs {max(ooms, m.ooms or 0)}", style="bold red" if ooms or m.ooms else "")
+        lines = [first, second]
+        if m.nvml_used is not None or m.nvml_device_used is not None:
+            nvml = Text(no_wrap=True, overflow="ellipsis")
+            if m.nvml_gap is not None:
+                nvml.append("■", style=OTHER).append(
+                    f" NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch"
+                    + (" (CUDA context, libraries)" if long else ""))
+            else:
+                nvml.append("■", style=OTHER).append(f" NVML device used {size(m.nvml_device_used)} (all processes)")
+            lines.append(nvml)
+        return lines
+    first = Text(no_wrap=True, overflow="ellipsis")
+    second = Text(f"tracked {size(m.allocated)} · peak {size(m.peak)}", no_wrap=True, overflow="ellipsis")
+    if m.capacity or host is None or not host.system_total:
+        first.append("■", style=ALLOCATED).append(f" params {size(m.params)}  ")
+        first.append("■", style=CACHED).append(f" optim {size(m.optimizer)}  ")
+        first.append("■", style=OTHER).append(" grads+acts")
+        if m.capacity:
+            second.append(f" / {size(m.capacity)} budget")
+        second.append(f" · RSS {size(m.rss)}", style="dim")
+    else:  # the bar is the machine's memory
+        first.append("■", style=ALLOCATED).append(f" {'training state' if long else 'state'} {size(m.allocated)}  ")
+        first.append("■", style=CACHED).append(f" {'process' if long else 'proc'} {size(host.rss)}  ")
+        first.append("■", style=OTHER).append(f" {'other processes' if long else 'others'} "
+                                              f"{size((host.system_used or 0) - (host.rss or 0))}")
+        second.append(f" · system {size(host.system_used)} / {size(host.system_total)}")
+    second.append(f" · OOMs {ooms}", style="bold red" if ooms else "")
+    return [first, second]
+
+
+def memory_warning(m: Memory) -> str | None:
+    if not m.capacity or not m.peak:
+        return None
+    share = m.peak / m.capacity
+    if share < WARN_AT:
+        return None
+    return f"▲ step peak at {share:.0%} of capacity: b halves the micro-batch, c checkpoints, a mixed precision"
+
+
+def axis(steps: list[int], width: int, gutter: int = 8) -> Text:
+    if not steps:
+        return Text("")
+    left, right = f"step {steps[0]}", f"{steps[-1]}"
+    pad = max(1, width - gutter - len(left) - len(right))
+    return Text(" " * gutter + left + " " * pad + right, style="dim", no_wrap=True)
+
+
+class LossPanel(Panel):
+    def render(self) -> RenderableType:
+        v = self.view
+        width, height = self.content_size.width, self.content_size.height
+        if not len(v.loss):
+            return Text("waiting for the first loss…", style="dim")
+        raw = v.loss.values
+        smoothed = smooth(raw)
+        best = min(range(len(raw)), key=raw.__getitem__)
+        head = Text(no_wrap=True, overflow="ellipsis")
+        latest = v.latest.loss if v.latest and v.latest.loss is not None else raw[-1]
+        head.append(f"{latest:.4g}", style="bold")
+        head.append(f"  smoothed {smoothed[-1]:.4g}", style="green")
+        head.append(f"  min {raw[best]:.4g} @ {v.loss.steps[best]}", style="dim")
+        rows = height - 2
+        lines: list[RenderableType] = [head]
+        if rows >= 2:
+            # The first steps' loss is often far above the rest: the top follows the later 90% of the
+            # run, so the part being trained now is not squashed flat (earlier points touch the top).
+            high = max(raw[len(raw) // 10:]) if len(raw) >= 20 else None
+            lines.extend(plot([Series(raw, "dim"), Series(smoothed, "bold green")], width, rows, high=high))
+            lines.append(axis(v.loss.steps, width))
+        return Group(*lines)
+
+
+class RemediesBar(Panel):
+    def render(self) -> RenderableType:
+        v = self.view
+        s = v.latest
+        text = Text(no_wrap=True, overflow="ellipsis")
+        watch_only = self.gapp.source.watch_only
+
+        def key(k: str, action: str) -> None:
+            dim = v.why_not(action, watch_only) is not None
+            text.append(f"[{k}]", style="dim" if dim else "bold reverse")
+            text.append(" ")
+
+        wide = self.content_size.width >= 90
+        key("b/B", "halve_batch")
+        if s is not None:
+            text.append(f"{'micro-batch' if wide else 'mb'} {s.micro_batch} × {s.accumulation} = {s.batch_size}",
+                        style="bold")
+        else:
+            text.append("micro-batch –")
+        gap = "   " if wide else "  "
+        text.append(gap)
+        key("a", "cycle_amp")
+        text.append(f"AMP {s.amp if s else (v.info or {}).get('amp', '–')}", style="bold")
+        text.append(gap)
+        key("c", "toggle_checkpointing")
+        text.append(f"{'checkpointing' if wide else 'ckpt'} {'on' if v.checkpointing else 'off'}", style="bold")
+        text.append(gap)
+        key("o", "toggle_auto_recover")
+        text.append(f"{'auto-recover' if wide else 'auto'} {'on' if v.auto_recover else 'off'}", style="bold")
+        if v.pending:
+            text.append(f"{gap}→ {len(v.pending)} pending", style="yellow")
+        return text
+
+
+class Timeline(Panel):
+    STYLES = {"requested": "dim italic", "applied": "green", "refused": "yellow", "oom": "bold red",
+              "error": "bold red", "info": ""}
+
+    def render(self) -> RenderableType:
+        v = self.view
+        height = max(1, self.content_size.height)
+        if not v.timeline:
+            return Text("events appear here: OOMs recovered, remedies applied, errors", style="dim")
+        lines = []
+        for entry in list(v.timeline)[:height]:
+            line = Text(no_wrap=True, overflow="ellipsis")
+            line.append(time.strftime("%H:%M:%S ", time.localtime(entry.t)), style="dim")
+            line.append(f"{entry.step:>6} ", style="dim")
+            line.append(entry.text, style=self.STYLES.get(entry.kind, ""))
+            lines.append(line)
+        return Group(*lines)
+
+
+class GpuLine(Panel):
+    """NVML's view of the GPUs: the training device first, with the gap PyTorch cannot see."""
+
+    def render(self) -> RenderableType:
+        reading = self.view.gpus
+        if reading is None:
+            return Text("")
+        if reading.status:
+            return Text(f"NVML: {reading.status}", style="dim", no_wrap=True, overflow="ellipsis")
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for i, device in enumerate(reading.devices):
+            if i:
+                text.append("  ")
+            text.append_text(gpu_summary(device))
+        return text
+
+
+def gpu_summary(d: GpuDevice) -> Text:
+    text = Text()
+    text.append(f"GPU{d.index} ", style="bold")
+    if d.error:
+        return text.append(d.error, style="red")
+    na = "n/a"
+    text.append(f"{(d.name or '').removeprefix('NVIDIA ')} ")
+    text.append(f"{d.utilization if d.utilization is not None else na}% ")
+    text.append(f"{d.temperature if d.temperature is not None else na}°C ")
+    power = f"{d.power:.0f}" if d.power is not None else na
+    limit = f"{d.power_limit:.0f}" if d.power_limit is not None else na
+    text.append(f"{power}/{limit}W ")
+    text.append(f"used {gib(d.memory_used)}/{gib(d.memory_total)}")
+    return text

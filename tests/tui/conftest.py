@@ -1,0 +1,88 @@
+import textwrap
+import time
+
+import pytest
+from rich.console import Group
+
+from gputui.launch import run_script
+from gputui.tui.app import GputuiApp
+from gputui.tui.model import LocalSource
+
+SCRIPT = """
+import sys, time
+import gputui, torch
+from torch import nn
+
+torch.manual_seed(0)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.out = nn.Linear(32, 2)
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.out(x)
+
+model = Net()
+calls = []
+data = [(torch.randn({batch}, 8), torch.randint(2, ({batch},))) for _ in range({batches})]
+
+def step(model, batch):
+    time.sleep({delay})
+    calls.append(1)
+    {fail}
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+print("script started")
+result = gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.1), {extra})
+gputui.save({{"steps": result.steps}}, sys.argv[1])
+print("saved after", result.steps, "steps")
+"""
+
+
+def make_script(tmp_path, *, batch=16, batches=3000, delay=0.01, fail="", extra=""):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail,
+                                                  extra=extra)))
+    return path
+
+
+@pytest.fixture
+def make_app(hub, tmp_path):
+    """An app training a real script (in tmp_path) in its thread, fed from the test's hub."""
+    apps = []
+
+    def make(**script):
+        path = make_script(tmp_path, **script)
+        out = tmp_path / "saved.pt"
+        app = GputuiApp(LocalSource(hub), script="train.py", refresh=20,
+                        runner=lambda err: run_script(str(path), [str(out)], err=err))
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:  # never leave a training thread behind for the next test
+        hub.controls.request("stop")
+        thread = app.training_thread
+        if thread is not None:
+            thread.join(30)
+
+
+async def until(pilot, condition, timeout=20.0):
+    """Let the app run until `condition()` holds (or fail after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.05)
+
+
+def text(app, selector):
+    """What a panel of the main screen shows, as plain text."""
+    rendered = app.main.query_one(selector).render()
+    if isinstance(rendered, Group):
+        return "\n".join(part.plain for part in rendered.renderables)
+    return rendered.plain

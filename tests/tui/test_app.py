@@ -1,0 +1,127 @@
+"""The real app on a real training script: keys change what the engine does and what the screen shows."""
+
+import pytest
+import torch
+
+from gputui.tui.screens import ConfirmQuit, FailureScreen, OomScreen, TopTensorsScreen
+from conftest import text, until
+
+
+def names(hub):
+    return [e.name for e in hub.events()]
+
+
+async def started(pilot, app, hub, steps=2):
+    await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= steps)
+
+
+async def test_halve_key_reaches_the_engine_and_the_screen(make_app, hub):
+    app = make_app(batch=16)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        assert "micro-batch 16 × 1 = 16" in text(app, "#remedies")
+        await pilot.press("b")
+        assert "requested: halve micro-batch (16 -> 8)" in text(app, "#timeline")
+        await until(pilot, lambda: "micro_batch_changed" in names(hub))
+        await until(pilot, lambda: "micro-batch 8 × 2 = 16" in text(app, "#remedies"))
+        timeline = text(app, "#timeline")
+        assert "✓ micro-batch 16 -> 8 (accumulation 2) · applied after step" in timeline
+        assert timeline.index("✓ micro-batch") < timeline.index("requested")  # newest first
+
+
+@pytest.mark.parametrize("key, event, shown", [
+    ("a", "amp_changed", "AMP bf16"),
+    ("c", "checkpointing_changed", "checkpointing on"),
+    ("o", "auto_recover_changed", "auto-recover off"),
+    ("f", "cache_freed", "memory freed: RSS"),
+])
+async def test_remedy_keys(make_app, hub, key, event, shown):
+    app = make_app()
+    async with app.run_test(size=(120, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press(key)
+        await until(pilot, lambda: event in names(hub))
+        await until(pilot, lambda: shown in text(app, "#remedies") + text(app, "#timeline"))
+
+
+async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press("p")
+        await until(pilot, lambda: "paused" in names(hub))
+        await until(pilot, lambda: "│ paused" in text(app, "#header"))
+        step = hub.latest().step
+        await pilot.pause(0.3)
+        assert hub.latest().step == step
+        await pilot.press("p")
+        await until(pilot, lambda: hub.latest().step > step)
+        assert "│ training" in text(app, "#header")
+
+
+async def test_dimmed_key_does_nothing_and_says_why(make_app, hub):
+    app = make_app(batch=1)
+    said = []
+    notify = app.notify
+    app.notify = lambda message, **kw: (said.append(message), notify(message, **kw))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        assert app.check_action("halve_batch", ()) is None  # dimmed in the footer
+        await pilot.press("b")
+        await pilot.press("s")  # snapshots are CUDA-only: dimmed on this CPU run
+        await pilot.pause(0.3)
+        assert not [e for e in hub.events() if e.name in ("micro_batch_changed", "control_refused")]
+        assert said[0] == "the micro-batch is already 1"
+        assert said[1].startswith("memory snapshots are a CUDA feature")
+
+
+async def test_quit_asks_once_then_stops_after_the_step_and_the_script_saves(make_app, hub, tmp_path):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("y")
+        await until(pilot, lambda: app.return_value is not None)
+    assert app.return_value == 0
+    assert "stopped" in names(hub)
+    assert torch.load(tmp_path / "saved.pt")["steps"] == hub.latest().step
+    assert any("saved after" in line for line in app.output.lines)
+
+
+async def test_a_failing_script_leaves_the_app_up_with_its_traceback(make_app, hub):
+    app = make_app(fail="if len(calls) > 4: raise ValueError('bad label')")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, FailureScreen))
+        assert app.view.exit_code == 1 and "ValueError: bad label" in app.view.failure
+        assert "│ failed" in text(app, "#header")
+        await pilot.press("escape")
+        assert "error: ValueError: bad label" in text(app, "#timeline")
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_value is not None)
+    assert app.return_value == 1
+
+
+async def test_oom_dialog_when_auto_recover_is_off(make_app, hub):
+    app = make_app(batch=64, extra="auto_recover=False, memory_budget='40KiB'")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, OomScreen))
+        assert "OOM: waiting" in text(app, "#header")
+        await pilot.press("b")
+        await until(pilot, lambda: "resumed" in names(hub))
+        assert [e for e in hub.events() if e.name == "micro_batch_changed"][0]["to"] == 32
+
+
+async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press("t")
+        assert isinstance(app.screen, TopTensorsScreen)
+        await until(pilot, lambda: app.view.top is not None)
+        await pilot.pause(0.2)
+        table = app.screen.query_one("#top-table")
+        roles = {str(table.get_row_at(i)[5]) for i in range(table.row_count)}
+        top = app.view.top
+        assert "parameter" in roles and table.row_count > 3, {k: top.get(k) for k in
+                                                              ("complete", "scanned", "elapsed_s", "groups", "rows")}

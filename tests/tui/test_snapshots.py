@@ -1,0 +1,47 @@
+"""The main screens at fixed sizes with a frozen clock, compared with the SVGs in __snapshots__/.
+
+After a deliberate UI change: `pytest tests/tui/test_snapshots.py --snapshot-update`, then look at
+the new SVGs before committing them.
+"""
+
+import time
+
+import pytest
+
+from fakes import FrozenClock, cpu_run, cuda_run
+from gputui.telemetry.sample import Event
+from gputui.tui.app import GputuiApp
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+def app(source, script="train.py"):
+    return GputuiApp(source, script=script, clock=FrozenClock(), refresh=4)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_main_screen_cuda(snap_compare, size):
+    assert snap_compare(app(cuda_run()), terminal_size=size)
+
+
+def test_main_screen_cpu_budget(snap_compare):
+    assert snap_compare(app(cpu_run(), script="mlp.py"), terminal_size=(100, 30))
+
+
+def test_oom_dialog(snap_compare):
+    source = cuda_run(150)
+    source.update.events.append(Event("oom", 150, {"phase": "forward", "micro_batch": 32, "waiting": True,
+                                                   "message": "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 "
+                                                              "has a total capacity of 79.19 GiB"}, t=1_795_000_150.0))
+    assert snap_compare(app(source), terminal_size=(100, 30))
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(app(cuda_run()), terminal_size=(100, 30), press=["question_mark"])
