@@ -17,10 +17,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-SCRIPT_TAIL = 15
-"""Lines of the script's own output printed when the TUI closes."""
-
-
 def _rate(text: str) -> float:
     try:
         hz = float(text)
@@ -60,16 +56,67 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="the training script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    jobs = commands.add_parser("jobs", help="list your running gputui jobs",
+                               description="The gputui training processes of this user: one line each.")
+    jobs.add_argument("--json", action="store_true", help="print them as JSON")
+
+    attach = commands.add_parser(
+        "attach", help="watch (or steer) a running job from another terminal",
+        description="The same screen as `gputui run`, fed from a running job's socket. Watch-only unless --control.")
+    attach.add_argument("target", metavar="PID|SOCKET", nargs="?", help="the job (default: the only one, or ask)")
+    attach.add_argument("--control", action="store_true", help="let the keys steer the job, as in `gputui run`")
+    attach.add_argument("--json", action="store_true", help="print the latest sample as JSON and exit")
+    attach.add_argument("--refresh", metavar="HZ", type=_rate, default=4.0, help="screen updates per second")
+
+    ctl = commands.add_parser(
+        "ctl", help="send one control to a running job",
+        description="Send one control to a running job and print what it applied. ACTION: " + _ctl_actions())
+    ctl.add_argument("target", metavar="PID|SOCKET", help="the job")
+    ctl.add_argument("action", metavar="ACTION", nargs="+", help="e.g. halve-batch, amp bf16, checkpointing on")
+    ctl.add_argument("--timeout", metavar="S", type=float, default=60.0,
+                     help="seconds to wait for the job to apply it (default 60)")
+
     watch = commands.add_parser("watch", help="show every GPU and its processes (NVML)",
                                 description="Show every NVIDIA GPU and the processes on it, as NVML reports them.")
     watch.add_argument("--once", action="store_true", help="print one reading and exit")
     watch.add_argument("--json", action="store_true", help="with --once: print the reading as JSON")
+    watch.add_argument("--refresh", metavar="HZ", type=_rate, default=1.0, help="readings per second (default 1)")
     return parser
 
 
+def _ctl_actions() -> str:
+    from .jobs import CTL_ACTIONS
+
+    return CTL_ACTIONS
+
+
+def _jobs(options: argparse.Namespace) -> int:
+    from . import jobs
+
+    try:
+        if options.command == "jobs":
+            return jobs.list_jobs(options.json, sys.stdout)
+        job = jobs.resolve(options.target, choose=options.command == "attach" and not options.json)
+        if options.command == "ctl":
+            return jobs.ctl(job, options.action, timeout=options.timeout, out=sys.stdout)
+        if options.json:
+            return jobs.attach_json(job, sys.stdout)
+    except jobs.JobError as exc:
+        print(f"gputui: error: {exc}", file=sys.stderr)
+        return 1
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("gputui: error: attach needs a terminal; `gputui attach --json` prints the latest sample",
+              file=sys.stderr)
+        return 2
+    from .tui.runner import attach_tui
+
+    return attach_tui(job.path, job.pid or None, control=options.control, refresh=options.refresh)
+
+
 def _run(options: argparse.Namespace) -> int:
-    from .launch import ScriptNotFound, check_script, run_script
+    from .launch import ScriptNotFound, check_script, run_script, survive_hangup
     from .telemetry import hub as hubs
+    from .telemetry.server import serve
     from .telemetry.jsonl import MetricsFile
     from .telemetry.progress import ProgressLine
 
@@ -94,58 +141,32 @@ def _run(options: argparse.Namespace) -> int:
             return 2
         hub.add_sink(metrics)
     hubs.install(hub)
+    server = serve(hub)
     try:
         if options.headless:
+            survive_hangup()
             hub.add_sink(ProgressLine(sys.stdout))
             return run_script(options.script, options.args)
-        return _tui(hub, options)
+        from .tui.runner import run_tui
+
+        return run_tui(hub, options.script, options.args, options.refresh)
     finally:
+        if server is not None:
+            server.close()
         hubs.install(None)
         if metrics is not None:
             metrics.close()
 
 
-def _tui(hub, options: argparse.Namespace) -> int:
-    import os
-
-    from .launch import run_script
-    from .tui.app import GputuiApp
-    from .tui.model import LocalSource, OutputLog
-    from .tui.terminal import guarded_output
-
-    output = OutputLog()
-    with guarded_output(output.write):  # what C code writes joins the script's log
-        app = GputuiApp(LocalSource(hub), script=os.path.basename(options.script),
-                        runner=lambda err: run_script(options.script, options.args, err=err),
-                        refresh=options.refresh, output=output)
-        app.run()
-    if app.return_code:  # the app itself failed: its report went to the captured output
-        lines, _ = output.since(max(0, output.total - 60))
-        sys.stderr.write("\n".join(lines) + "\ngputui: error: the TUI stopped on an internal error (above); "
-                         "`gputui run --headless` runs without it\n")
-    code = app.return_value if app.return_value is not None else 1
-    lines, _ = output.since(max(0, output.total - SCRIPT_TAIL))
-    if lines and not app.return_code:  # what the script said last (its save, its summary) stays visible
-        print(f"gputui: {os.path.basename(options.script)} printed (last {len(lines)} lines; l in the TUI shows all):")
-        print("\n".join(lines))
-    if app.view.failure:
-        sys.stderr.write(app.view.failure if app.view.failure.endswith("\n") else app.view.failure + "\n")
-    thread = app.training_thread
-    if thread is not None and thread.is_alive():
-        # Quit while the script still runs: nothing more to wait for, and joining it would hang.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
 def _watch(options: argparse.Namespace) -> int:
-    if not options.once:
-        print("gputui: error: the interactive watch screen is not built yet; use --once", file=sys.stderr)
-        return 2
-    from .watch import run_once
+    from .watch import run_once, run_screen
 
-    return run_once(options.json, sys.stdout, sys.stderr)
+    if options.once:
+        return run_once(options.json, sys.stdout, sys.stderr)
+    if options.json:
+        print("gputui: error: --json needs --once", file=sys.stderr)
+        return 2
+    return run_screen(options.refresh, sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(options)
     if options.command == "watch":
         return _watch(options)
+    if options.command in ("jobs", "attach", "ctl"):
+        return _jobs(options)
     _parser().print_help()
     return 2
 

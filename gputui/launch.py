@@ -85,3 +85,21 @@ def run_script(path: str, args: list[str], *, err: TextIO | None = None) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def detach_from_terminal() -> None:
+    """The terminal is gone: point stdin, stdout and stderr at /dev/null so writes cannot fail.
+
+    What the script prints from now on is lost, as under nohup without a log; the metrics file
+    and the attach socket still carry everything gputui records."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def survive_hangup() -> None:
+    """Headless runs go on when their terminal closes (SIGHUP), as under nohup."""
+    import signal
+
+    signal.signal(signal.SIGHUP, lambda signum, frame: detach_from_terminal())

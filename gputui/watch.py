@@ -1,4 +1,4 @@
-"""`gputui watch --once`: every GPU and its processes, once, as a table or as JSON.
+"""`gputui watch`: every GPU and its processes, once (as a table or as JSON) or on a live screen.
 
 No torch: watching a GPU must not pay torch's import time or create a CUDA context.
 """
@@ -10,7 +10,7 @@ import socket
 import time
 from typing import TextIO
 
-from .probes.nvml import read_gpus
+from .probes.nvml import MIN_INTERVAL, NvmlPoller, read_gpus
 from .telemetry.sample import GpuDevice, GpuProcess
 from .units import format_bytes
 
@@ -33,15 +33,29 @@ def run_once(as_json: bool, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def run_screen(refresh: float, err: TextIO) -> int:
+    """The live screen, `refresh` times a second; exit code 1 with `gputui: <why>` on `err` when NVML is
+    unavailable, before the app takes the terminal (a blank screen would only hide the reason)."""
+    reading = read_gpus()
+    if reading.status is not None:
+        print(f"gputui: {reading.status}", file=err)
+        return 1
+    from .tui.watch_app import WatchApp  # textual only for the screen: --once stays quick to start
+
+    with NvmlPoller(interval=max(MIN_INTERVAL, 1 / refresh)) as poller:
+        WatchApp(poller, refresh=refresh).run()
+    return 0
+
+
 def device_line(device: GpuDevice, degrees: str = "°C") -> str:
     """One GPU the way gpustat prints it; "n/a" for every figure NVML did not give."""
     if device.error is not None:
         return f"[{device.index}] error: {device.error}"
     fields = [
         f"[{device.index}] {device.name or 'n/a'}",
-        _figure(device.temperature, degrees),
-        _figure(device.utilization, " %"),
-        f"{_figure(device.power, ' W', '.0f')} / {_figure(device.power_limit, ' W', '.0f')}",
+        figure(device.temperature, degrees),
+        figure(device.utilization, " %"),
+        f"{figure(device.power, ' W', '.0f')} / {figure(device.power_limit, ' W', '.0f')}",
         f"{format_bytes(device.memory_used)} / {format_bytes(device.memory_total)}",
     ]
     line = " | ".join(fields)
@@ -50,7 +64,8 @@ def device_line(device: GpuDevice, degrees: str = "°C") -> str:
     return line
 
 
-def _figure(value: float | None, unit: str, spec: str = "") -> str:
+def figure(value: float | None, unit: str, spec: str = "") -> str:
+    """A reading with its unit, or "n/a" where NVML would not say."""
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 

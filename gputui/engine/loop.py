@@ -31,6 +31,7 @@ from ..telemetry.controls import REMEDIES, Control
 from ..telemetry.jsonl import MetricsFile
 from ..telemetry.progress import ProgressLine
 from ..telemetry.sample import Event, StepSample
+from ..telemetry.server import serve
 from ..units import format_bytes, parse_size
 from .microbatch import batch_size, split, to_device
 from .oom import OomInfo, RngState, drop, is_oom
@@ -140,6 +141,7 @@ class _Trainer:
             hub = hubs.Hub()
             hub.add_sink(ProgressLine(sys.stdout))
             hubs.install(hub)
+            serve(hub)  # attachable too
         self.hub = hub
         own_metrics = options["metrics"]
         options.update(hub.overrides.given())
@@ -573,6 +575,7 @@ class _Trainer:
         params = list(self.model.parameters())
         return {
             "pid": os.getpid(),
+            "started": time.time(),
             "argv": list(sys.argv),
             "device": str(self.device),
             "device_name": self.probe.name,

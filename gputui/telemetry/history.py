@@ -22,10 +22,13 @@ class History:
         self.values: list[float] = []
         self.stride = 1  # steps per point once merged
         self._pending: list[tuple[int, float]] = []
+        self._last = -1
 
     def add(self, step: int, value: float | None) -> None:
-        if value is None or not math.isfinite(value):
+        """Append a point; a step not after the last one (a replayed record) is ignored."""
+        if value is None or not math.isfinite(value) or step <= self._last:
             return
+        self._last = step
         if self.stride > 1:  # gather `stride` raw points into one
             self._pending.append((step, value))
             if len(self._pending) < self.stride:
@@ -47,4 +50,9 @@ class History:
         return len(self.values)
 
     def clear(self) -> None:
-        self.steps, self.values, self.stride, self._pending = [], [], 1, []
+        self.steps, self.values, self.stride, self._pending, self._last = [], [], 1, [], -1
+
+    def load(self, steps: list[int], values: list[float], stride: int) -> None:
+        """Start from a history received from elsewhere (a job being attached to)."""
+        self.steps, self.values, self.stride, self._pending = list(steps), list(values), stride, []
+        self._last = self.steps[-1] if self.steps else -1

@@ -15,6 +15,12 @@ VERSION = 1
 """Version of the wire and metrics-file records; bumped on any incompatible change."""
 
 
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `data` that are fields of `cls`: a newer peer may send more."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
 def finite(x: float | None) -> float | None:
     """JSON has no NaN or Infinity: such values are written as null."""
     if x is None or math.isfinite(x):
@@ -71,6 +77,10 @@ class Memory:
         return {**{f.name: getattr(self, f.name) for f in fields(self)},
                 "cached_free": self.cached_free, "nvml_gap": self.nvml_gap}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Memory:
+        return cls(**_known(cls, data))
+
 
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
@@ -84,6 +94,10 @@ class GpuProcess:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GpuProcess:
+        return cls(**_known(cls, data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +122,12 @@ class GpuDevice:
         out["processes"] = [p.to_json() for p in self.processes]
         return out
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GpuDevice:
+        values = _known(cls, data)
+        values["processes"] = tuple(GpuProcess.from_json(p) for p in data.get("processes") or ())
+        return cls(**values)
+
 
 @dataclass(frozen=True, slots=True)
 class GpuReading:
@@ -123,6 +143,11 @@ class GpuReading:
         return {"v": VERSION, "kind": "gpus", "t": round(self.t, 6), "driver": self.driver,
                 "status": self.status, "devices": [d.to_json() for d in self.devices]}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GpuReading:
+        return cls(t=float(data["t"]), driver=data.get("driver"), status=data.get("status"),
+                   devices=tuple(GpuDevice.from_json(d) for d in data.get("devices") or ()))
+
 
 @dataclass(frozen=True, slots=True)
 class HostReading:
@@ -135,6 +160,10 @@ class HostReading:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HostReading:
+        return cls(**_known(cls, data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +210,15 @@ class StepSample:
             "host": None if self.host is None else self.host.to_json(),
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepSample:
+        """A step line (as written by to_json) back into a sample; KeyError/TypeError if malformed."""
+        values = {name: data[name] for name in _STEP_FIELDS}
+        values["memory"] = Memory.from_json(data["memory"])
+        values["host"] = HostReading.from_json(data["host"]) if data.get("host") else None
+        values["samples"] = data.get("samples", 0)
+        return cls(**values)
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -195,8 +233,17 @@ class Event:
         return {"v": VERSION, "kind": "event", "t": round(self.t, 6), "step": self.step,
                 "name": self.name, **self.details}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Event:
+        details = {k: v for k, v in data.items() if k not in ("v", "kind", "t", "step", "name")}
+        return cls(name=str(data["name"]), step=int(data["step"]), details=details, t=float(data["t"]))
+
     def __getitem__(self, key: str) -> Any:
         return self.details[key]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.details.get(key, default)
+
+
+_STEP_FIELDS = ("t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp", "checkpointing",
+                "samples_per_s")

@@ -105,6 +105,7 @@ class GputuiApp(App[int]):
         self.runner = runner
         self.refresh_hz = refresh
         self.output = output or OutputLog()
+        self.script_code: int | None = None  # the script's exit code, once it has ended
         self._thread: threading.Thread | None = None
         self._quitting = False
         self._oom_shown: Any = None
@@ -133,6 +134,7 @@ class GputuiApp(App[int]):
         except BaseException as exc:  # noqa: BLE001 - reported on screen, never lost
             code = 1
             report.write(f"gputui: {type(exc).__name__}: {exc}\n")
+        self.script_code = code  # read directly if the app is gone (the terminal hung up)
         self.post_message(ScriptEnded(code, report.getvalue()))
 
     # -- the pull --------------------------------------------------------------------------------
@@ -196,7 +198,11 @@ class GputuiApp(App[int]):
             self.run_action(action)
 
     def send(self, action: str, value: Any = None, text: str | None = None) -> None:
-        request = self.source.request(action, value)
+        try:
+            request = self.source.request(action, value)
+        except RuntimeError as exc:  # the job refused or cannot be reached
+            self.notify(str(exc), severity="error", timeout=6)
+            return
         self.view.requested(request, text or action.replace("_", " "))
         self.pull()
 

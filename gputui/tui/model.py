@@ -6,6 +6,7 @@ where the updates come from: the hub in this process (`gputui run`), later a soc
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -59,14 +60,18 @@ class Update:
     summary: dict[str, Any] | None
     gpus: GpuReading | None
     runs: int
-
+    reset: bool = False  # start the view over (a remote job, just (re)connected)
+    history: dict[str, tuple[list[int], list[float], int]] | None = None  # the run so far, for a reset
+    banner: str | None = None  # the connection's state, when it is not simply live
 
 class Source(Protocol):
     watch_only: str | None
     """None if controls can be sent, else why not (shown on every dimmed remedy key)."""
 
     def poll(self) -> Update: ...
-    def request(self, action: str, value: Any = None) -> int | None: ...
+    def request(self, action: str, value: Any = None) -> int | None:
+        """Send a control; returns its request id. RuntimeError with the reason if refused."""
+        ...
 
 
 class LocalSource:
@@ -148,13 +153,31 @@ class RunView:
     exit_code: int | None = None
     failure: str | None = None  # the script's traceback, or why it could not start
     ooms: int = 0
+    banner: str | None = None  # attach: disconnected, reconnecting, the job ended...
+    remote: bool = False  # attached to a job in another process
+
+    @property
+    def name(self) -> str:
+        """The script, as the header names it (an attached job's comes from its argv)."""
+        info = self.info or {}
+        argv = info.get("argv") or []
+        name = os.path.basename(argv[0]) if argv and (self.remote or not self.script) else self.script
+        return f"{name} · pid {info['pid']}" if self.remote and info.get("pid") else name or "…"
 
     # -- folding updates ------------------------------------------------------------------------
     def apply(self, update: Update) -> bool:
         """Fold an update in; True if anything changed (the widgets then re-render)."""
-        changed = False
-        if update.runs != self.runs:
+        changed = update.banner != self.banner
+        self.banner = update.banner
+        if update.runs != self.runs or update.reset:
+            if update.reset:  # the job replays its recent events: start the timeline over too
+                self.timeline.clear()
             self._new_run(update.runs)
+            for name, (steps, values, stride) in (update.history or {}).items():
+                history = {"loss": self.loss, "allocated": self.allocated, "reserved": self.reserved,
+                           "peak": self.peak}.get(name)
+                if history is not None:
+                    history.load(steps, values, stride)
             changed = True
         if update.info is not None and update.info is not self.info:
             self.info = update.info
@@ -175,6 +198,7 @@ class RunView:
     def _new_run(self, runs: int) -> None:
         self.runs = runs
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = None
+        self.ooms = 0
         for history in (self.loss, self.allocated, self.reserved, self.peak):
             history.clear()
         self.pending.clear()
@@ -242,6 +266,8 @@ class RunView:
 
     @property
     def status(self) -> str:
+        if self.banner:
+            return self.banner
         if self.failure or (self.summary and self.summary.get("error")):
             return "failed"
         if self.exit_code is not None or self.summary is not None:
@@ -256,6 +282,11 @@ class RunView:
 
     @property
     def elapsed(self) -> float:
+        if self.summary is not None and self.summary.get("elapsed_s") is not None:
+            return float(self.summary["elapsed_s"])
+        started = (self.info or {}).get("started")
+        if started:  # wall clock: right for a job attached to long after it began
+            return max(0.0, time.time() - started)
         if self.started is None:
             return 0.0
         return (self.ended or self.clock()) - self.started

@@ -66,7 +66,7 @@ class HeaderBar(Panel):
                         "paused": "bold yellow", "stopping": "bold yellow"}.get(status, "bold")
         device = (info.get("device_name") or "…").removeprefix("NVIDIA ")
         # (priority: lower survives longer, text, style), in display order
-        parts: list[tuple[int, str, str]] = [(0, " gputui ", "bold reverse"), (0, f" {v.script} ", "bold"),
+        parts: list[tuple[int, str, str]] = [(0, " gputui ", "bold reverse"), (0, f" {v.name} ", "bold"),
                                              (5, f"│ {device} ", ""), (0, "│ ", ""), (0, status, status_style)]
         if s is not None:
             total, epochs = info.get("total_steps"), info.get("epochs")

@@ -1,0 +1,91 @@
+"""The attach protocol: newline-delimited JSON objects, each with "v" (the version) and "kind".
+
+Server to client: hello (who the job is), history (the run so far, in bounded points), then
+start / step / event / end / gpus records as they happen, ack / error answers to a client's
+requests, and live (the history is over). Client to server: hello (optionally asking for
+control) and control requests. Client lines are small, bounded and checked field by field:
+nothing a client sends is ever evaluated or unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .controls import ACTIONS
+from .sample import VERSION
+
+MAX_CLIENT_LINE = 4096
+"""Bytes a client line may take: a control request needs under 200."""
+
+MAX_SERVER_LINE = 8 * 2**20
+"""Bytes a server line may take (the history line is the largest)."""
+
+CLIENT_KINDS = ("hello", "control")
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid message; the text says what is wrong, for the peer."""
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps({"v": VERSION, **record}, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def _object(line: bytes, limit: int) -> dict[str, Any]:
+    if len(line) > limit:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds the {limit}-byte limit")
+    try:
+        data = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a message must be a JSON object")
+    if data.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {data.get('v')!r} (this side speaks {VERSION})")
+    if not isinstance(data.get("kind"), str):
+        raise ProtocolError("a message needs a string 'kind'")
+    return data
+
+
+def parse_client(line: bytes) -> dict[str, Any]:
+    """A client's line, validated: {"kind": "hello", "control": bool} or
+    {"kind": "control", "id": int, "action": str, "value": ...}. ProtocolError otherwise."""
+    data = _object(line, MAX_CLIENT_LINE)
+    kind = data["kind"]
+    if kind == "hello":
+        control = data.get("control", False)
+        if not isinstance(control, bool):
+            raise ProtocolError("hello: 'control' must be true or false")
+        return {"kind": "hello", "control": control}
+    if kind == "control":
+        ident = data.get("id")
+        if not isinstance(ident, int) or isinstance(ident, bool) or not 0 <= ident < 2**53:
+            raise ProtocolError("control: 'id' must be a non-negative integer")
+        action = data.get("action")
+        if action not in ACTIONS:
+            raise ProtocolError(f"control: unknown action {action!r}")
+        value = data.get("value")
+        if value is not None and not isinstance(value, (str, bool)):
+            raise ProtocolError("control: 'value' must be a string, a boolean or absent")
+        return {"kind": "control", "id": ident, "action": action, "value": value}
+    raise ProtocolError(f"unknown kind {kind!r} (expected one of {', '.join(CLIENT_KINDS)})")
+
+
+def parse_server(line: bytes) -> dict[str, Any]:
+    """A server's line as a dict with a known version and a kind; ProtocolError otherwise."""
+    return _object(line, MAX_SERVER_LINE)
+
+
+def clean(value: Any) -> Any:
+    """JSON-safe: NaN and infinities become None, tuples lists, unknown objects their str()."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,316 @@
+"""The telemetry server in every training process: the hub on a Unix socket, for `gputui attach`.
+
+A hub sink on the training thread only appends to a deque; one server thread does the rest:
+accepts, serializes each record once, fans it out into per-client buffers and writes what
+each socket takes. A client that falls more than MAX_PENDING behind is dropped (it missed
+what it missed; nothing is resent), so a stuck or hostile client costs the job nothing but
+a few megabytes. Only the owning user can connect (0700 folder, 0600 socket, and the peer's
+uid checked where the OS tells it); only a connection that asked for control may steer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .history import History
+from .hub import Hub
+from .paths import UnsafeDirectory, find_jobs, peer_uid, private_dir, socket_path
+from .protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client
+from .sample import Event, StepSample
+
+MAX_PENDING = 8 * 2**20
+"""Bytes waiting for one client before it counts as too slow and is dropped."""
+
+TICK = 0.05
+"""Seconds the server thread sleeps at most: the latency a record may take to leave."""
+
+RECENT_EVENTS = 200
+"""Events a new client receives as the past."""
+
+SERIES = {"loss": False, "allocated": True, "reserved": True, "peak": True}
+"""History series sent to a new client: name -> squeezed by max (memory) rather than mean."""
+
+
+@dataclass
+class _Peer:
+    sock: socket.socket
+    pid: int | None
+    control: bool = False
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)
+    errors: int = 0
+
+
+class TelemetryServer:
+    def __init__(self, hub: Hub, path: str | None = None) -> None:
+        self.hub = hub
+        self.path = path or socket_path()
+        self._queue: deque[tuple[str, Any]] = deque(maxlen=100_000)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        self._peers: dict[socket.socket, _Peer] = {}
+        # The run as the server has seen it, for clients that connect later.
+        self._info: dict[str, Any] | None = None
+        self._summary: dict[str, Any] | None = None
+        self._last_step: dict[str, Any] | None = None
+        self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        self._series = {name: History(reduce=max) if peaks else History() for name, peaks in SERIES.items()}
+        self._gpus: Any = None
+        self._gpus_at = 0.0
+        self.started = time.time()
+
+    # -- the sink: the training thread only appends ---------------------------------------------
+    def on_start(self, info: dict[str, Any]) -> None:
+        self._queue.append(("start", info))
+
+    def on_sample(self, sample: StepSample) -> None:
+        self._queue.append(("step", sample))
+
+    def on_event(self, event: Event) -> None:
+        self._queue.append(("event", event))
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        self._queue.append(("end", summary))
+
+    # -- lifetime -----------------------------------------------------------------------------------
+    def start(self) -> TelemetryServer:
+        """Bind and serve; OSError or UnsafeDirectory if the socket cannot be made safely."""
+        private_dir()
+        find_jobs(clean=True)  # sockets of jobs killed with SIGKILL: they could not remove their own
+        if os.path.exists(self.path):  # ours by name: a dead process with our pid left it
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        listener.listen(16)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self.hub.add_sink(self)
+        self._thread = threading.Thread(target=self._serve, name="gputui-telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Send what is queued, close every connection, remove the socket."""
+        if self._thread is None or self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.hub.remove_sink(self)
+        for peer in list(self._peers.values()):
+            self._drop(peer)
+        if self._listener is not None:
+            self._listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    @property
+    def clients(self) -> int:
+        return len(self._peers)
+
+    # -- the server thread ----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception as exc:  # noqa: BLE001 - the server must never take training down
+                sys.stderr.write(f"gputui: telemetry server error: {type(exc).__name__}: {exc}\n")
+                time.sleep(TICK)
+        self._broadcast_queue()  # the last records (the end line) before closing
+        for peer in list(self._peers.values()):
+            self._flush(peer, final=True)
+
+    def _turn(self) -> None:
+        for key, mask in self._selector.select(timeout=TICK):
+            if key.data is None:
+                self._accept()
+                continue
+            peer: _Peer = key.data
+            if mask & selectors.EVENT_READ:
+                self._read(peer)
+            if mask & selectors.EVENT_WRITE and peer.sock in self._peers:
+                self._flush(peer)
+        self._broadcast_queue()
+        self._broadcast_gpus()
+        for peer in list(self._peers.values()):
+            if peer.outbox:
+                self._flush(peer)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        cred = peer_uid(sock)
+        if cred is not None and cred[1] != os.getuid():
+            sock.close()  # another user: the folder's mode should have stopped them already
+            return
+        sock.setblocking(False)
+        peer = _Peer(sock, cred[0] if cred else None)
+        self._peers[sock] = peer
+        self._selector.register(sock, selectors.EVENT_READ, peer)
+        for record in self._welcome():
+            peer.outbox += encode(record)
+
+    def _welcome(self) -> list[dict[str, Any]]:
+        """What a new client gets before the live records: who, the run so far, the recent past."""
+        hello = {"kind": "hello", "pid": os.getpid(), "argv": list(sys.argv), "server_started": self.started,
+                 "runs": self.hub.runs, "info": self._info, "summary": self._summary, "controllable": True}
+        series = {name: {"steps": h.steps, "values": h.values, "stride": h.stride} for name, h in self._series.items()}
+        records = [hello, {"kind": "history", "series": series}, *self._events]
+        if self._last_step is not None:
+            records.append(self._last_step)
+        if self._gpus is not None:
+            records.append(self._gpus)
+        records.append({"kind": "live"})
+        return [clean(r) for r in records]
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(peer)
+            return
+        peer.inbox += data
+        while b"\n" in peer.inbox:
+            line, _, rest = peer.inbox.partition(b"\n")
+            peer.inbox = bytearray(rest)
+            self._handle(peer, bytes(line))
+            if peer.sock not in self._peers:
+                return
+        if len(peer.inbox) > MAX_CLIENT_LINE:
+            peer.outbox += encode({"kind": "error", "reason": f"line longer than {MAX_CLIENT_LINE} bytes"})
+            self._flush(peer, final=True)
+            self._drop(peer)
+
+    def _handle(self, peer: _Peer, line: bytes) -> None:
+        try:
+            message = parse_client(line)
+        except ProtocolError as exc:
+            peer.errors += 1
+            peer.outbox += encode({"kind": "error", "reason": str(exc)})
+            if peer.errors > 100:  # a client that only sends garbage
+                self._drop(peer)
+            return
+        if message["kind"] == "hello":
+            peer.control = message["control"]
+            peer.outbox += encode({"kind": "ack", "hello": True, "control": peer.control})
+            return
+        ident = message["id"]
+        if not peer.control:
+            peer.outbox += encode({"kind": "error", "id": ident,
+                                   "reason": "watch-only connection: attach with --control to steer"})
+            return
+        try:
+            control = self.hub.controls.request(message["action"], message["value"],
+                                                source=f"attach pid {peer.pid}" if peer.pid else "attach")
+        except ValueError as exc:
+            peer.outbox += encode({"kind": "error", "id": ident, "reason": str(exc)})
+            return
+        peer.outbox += encode({"kind": "ack", "id": ident, "request_id": control.id})
+
+    def _broadcast_queue(self) -> None:
+        while self._queue:
+            kind, item = self._queue.popleft()
+            record = self._record(kind, item)
+            line = encode(clean(record))
+            for peer in list(self._peers.values()):
+                peer.outbox += line
+
+    def _record(self, kind: str, item: Any) -> dict[str, Any]:
+        if kind == "start":
+            self._info, self._summary, self._last_step = item, None, None
+            self._events.clear()
+            for history in self._series.values():
+                history.clear()
+            return {"kind": "start", "runs": self.hub.runs, "info": item}
+        if kind == "step":
+            record = item.to_json()
+            m = item.memory
+            for name, value in (("loss", item.loss), ("allocated", m.allocated), ("reserved", m.reserved),
+                                ("peak", m.peak)):
+                self._series[name].add(item.step, value)
+            self._last_step = record
+            return record
+        if kind == "event":
+            record = item.to_json()
+            self._events.append(clean(record))
+            return record
+        self._summary = item
+        return {"kind": "end", "summary": item}
+
+    def _broadcast_gpus(self) -> None:
+        poller = self.hub.gpu_poller
+        now = time.monotonic()
+        if poller is None or now - self._gpus_at < 1.0:
+            return
+        self._gpus_at = now
+        reading = poller.latest()
+        if reading is None or (self._gpus is not None and reading.t == self._gpus.get("t")):
+            return
+        self._gpus = reading.to_json()
+        line = encode(clean(self._gpus))
+        for peer in list(self._peers.values()):
+            peer.outbox += line
+
+    def _flush(self, peer: _Peer, final: bool = False) -> None:
+        while peer.outbox:
+            try:
+                sent = peer.sock.send(peer.outbox[:262144])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._drop(peer)
+                return
+            del peer.outbox[:sent]
+        if len(peer.outbox) > MAX_PENDING and not final:
+            self._drop(peer)  # too slow: it would hold ever more memory of ours
+            return
+        if peer.sock in self._peers:
+            wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
+            if self._selector.get_key(peer.sock).events != wanted:
+                self._selector.modify(peer.sock, wanted, peer)
+
+    def _drop(self, peer: _Peer) -> None:
+        if self._peers.pop(peer.sock, None) is None:
+            return
+        try:
+            self._selector.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.sock.close()
+
+
+def serve(hub: Hub) -> TelemetryServer | None:
+    """Serve `hub` on this process's socket, unless GPUTUI_NO_SOCKET is set or it cannot be
+    done safely (then one line on stderr says why, and training goes on without it)."""
+    if os.environ.get("GPUTUI_NO_SOCKET"):
+        return None
+    server = TelemetryServer(hub)
+    try:
+        server.start()
+    except (OSError, UnsafeDirectory) as exc:
+        sys.stderr.write(f"gputui: attach disabled (cannot serve {server.path}): {exc}\n")
+        return None
+    hub.server = server
+    atexit.register(server.close)
+    return server

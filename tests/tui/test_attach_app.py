@@ -1,0 +1,88 @@
+"""The app on a job in 'another process' (a server in this one): watch-only keys, control, the end."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from gputui.telemetry.client import Mirror
+from gputui.telemetry.hub import Hub
+from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.server import TelemetryServer
+from gputui.tui.app import GputuiApp
+from gputui.tui.remote import RemoteSource
+from conftest import text, until
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A hub served on a socket, training-like: a sample every 20 ms, controls answered at boundaries."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    hub = Hub()
+    server = TelemetryServer(hub).start()
+    stop = threading.Event()
+    hub.start({"device": "cpu", "device_name": "CPU", "argv": ["/home/ada/train.py", "--lr", "3"], "pid": 4242,
+               "total_steps": 10_000, "checkpointing_unavailable": None, "auto_recover": True})
+
+    def train():
+        step, micro = 0, 64
+        while not stop.is_set():
+            for control in hub.controls.drain():
+                if control.action == "halve_batch":
+                    hub.emit(Event("micro_batch_changed", step, {"from": micro, "to": micro // 2, "accumulation": 2,
+                                                                  "request_id": control.id, "latency_s": 0.01}))
+                    micro //= 2
+            step += 1
+            hub.publish(StepSample(t=time.time(), step=step, epoch=0, loss=2.0 / step, batch_size=64,
+                                   micro_batch=micro, accumulation=64 // micro, amp="off", checkpointing=False,
+                                   samples_per_s=3200.0, memory=Memory("cpu", allocated=1000, peak=2000)))
+            time.sleep(0.02)
+        hub.end({"steps": step, "samples": step * 64, "error": None, "stopped": "requested", "elapsed_s": 3.0})
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    yield hub, server, stop
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
+def attach(server, control):
+    mirror = Mirror(server.path, os.getpid(), control=control).start()
+    app = GputuiApp(RemoteSource(mirror, control=control), script="", refresh=20)
+    app.view.remote = True
+    return app, mirror
+
+
+async def test_watch_only_attach_shows_the_job_and_dims_the_remedies(job):
+    hub, server, stop = job
+    app, mirror = attach(server, control=False)
+    said = []
+    notify = app.notify
+    app.notify = lambda message, **kw: (said.append(message), notify(message, **kw))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None and app.view.latest.step > 3)
+        assert "train.py · pid 4242" in text(app, "#header")
+        assert app.check_action("halve_batch", ()) is None
+        await pilot.press("b")
+        await pilot.pause(0.2)
+        assert said == ["watch-only: attach with --control to steer"] and len(hub.controls) == 0
+        stop.set()  # the job ends: its final state stays on screen
+        await until(pilot, lambda: mirror.hub.summary is not None)
+        server.close()
+        await until(pilot, lambda: "the job finished (requested)" in text(app, "#header"))
+        assert len(app.view.loss) > 3
+    mirror.stop()
+
+
+async def test_control_attach_steers_the_job(job):
+    hub, server, stop = job
+    app, mirror = attach(server, control=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None and app.view.latest.step > 3)
+        await pilot.press("b")
+        await until(pilot, lambda: "micro-batch 32 × 2 = 64" in text(app, "#remedies"))
+        assert "✓ micro-batch 64 -> 32" in text(app, "#timeline")
+        assert not app.view.pending
+    mirror.stop()

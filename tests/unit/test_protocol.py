@@ -1,0 +1,73 @@
+"""The attach protocol's parser: strict, bounded, and it never raises anything but ProtocolError."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gputui.telemetry.protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client, parse_server
+
+
+def line(**record):
+    return json.dumps({"v": 1, **record}).encode()
+
+
+def test_valid_client_messages():
+    assert parse_client(line(kind="hello", control=True)) == {"kind": "hello", "control": True}
+    assert parse_client(line(kind="hello")) == {"kind": "hello", "control": False}
+    assert parse_client(line(kind="control", id=3, action="set_amp", value="bf16")) == \
+        {"kind": "control", "id": 3, "action": "set_amp", "value": "bf16"}
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "a JSON object"),
+    (line(kind="hello", v=2), "unsupported protocol version 2"),
+    (json.dumps({"kind": "hello"}).encode(), "unsupported protocol version None"),
+    (line(kind=7), "string 'kind'"),
+    (line(kind="shutdown"), "unknown kind 'shutdown'"),
+    (line(kind="hello", control="yes"), "'control' must be true or false"),
+    (line(kind="control", id=-1, action="pause"), "'id' must be a non-negative integer"),
+    (line(kind="control", id=True, action="pause"), "'id' must be a non-negative integer"),
+    (line(kind="control", id=1, action="__import__('os').system('rm -rf /')"), "unknown action"),
+    (line(kind="control", id=1, action="set_amp", value={"$": 1}), "'value' must be"),
+    (b"{" + b" " * MAX_CLIENT_LINE + b"}", "exceeds the 4096-byte limit"),
+    (b"\xff\xfe", "not JSON"),
+])
+def test_invalid_client_messages_say_why(raw, reason):
+    with pytest.raises(ProtocolError, match=reason.replace("(", r"\(").replace(")", r"\)").replace("$", r"\$")):
+        parse_client(raw)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600))
+def test_fuzz_bytes_only_protocol_errors(raw):
+    try:
+        parse_client(raw)
+    except ProtocolError:
+        pass
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                           max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(["v", "kind", "id", "action", "value", "control", "x"]), json_values, max_size=6))
+def test_fuzz_objects_only_protocol_errors_and_valid_results_are_clean(data):
+    try:
+        message = parse_client(json.dumps(data).encode())
+    except ProtocolError:
+        return
+    assert message["kind"] in ("hello", "control")
+    if message["kind"] == "control":
+        assert isinstance(message["id"], int) and message["value"] is None or isinstance(message["value"], (str, bool))
+
+
+def test_encode_is_one_line_of_strict_json():
+    raw = encode(clean({"kind": "step", "loss": float("nan"), "shape": (2, 3), "obj": object}))
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    data = parse_server(raw)
+    assert data["v"] == 1 and data["loss"] is None and data["shape"] == [2, 3] and data["obj"].startswith("<class")
