@@ -146,7 +146,7 @@ def _run(options: argparse.Namespace) -> int:
         if options.headless:
             survive_hangup()
             hub.add_sink(ProgressLine(sys.stdout))
-            return run_script(options.script, options.args)
+            return run_script(options.script, options.args, observe=hub)
         from .tui.runner import run_tui
 
         return run_tui(hub, options.script, options.args, options.refresh)

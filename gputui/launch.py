@@ -7,13 +7,15 @@ traceback is the user's business, runpy's and ours are noise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
 import traceback
-from typing import TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from .engine.result import FitError  # no torch: result.py holds plain dataclasses
+from .telemetry.describe import diagnosis_text
 
 _HIDDEN = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
@@ -51,40 +53,93 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-def run_script(path: str, args: list[str], *, err: TextIO | None = None) -> int:
-    """Run `path` as __main__ with `args`; returns the exit code `python path args` would give."""
+class _Tee:
+    """A stream that passes everything through and shows the text to the loss parser too."""
+
+    def __init__(self, stream: TextIO, feed: Callable[[str], None]) -> None:
+        self._stream, self._feed = stream, feed
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        try:
+            self._feed(text)
+        except Exception:  # noqa: BLE001 - parsing must never break the script's output
+            pass
+        return written
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, flush...: the real stream's
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _observed(hub: Any) -> Iterator[Any]:
+    """The zero-change observer around the script (a fit() inside takes over from it)."""
+    from .engine.observe import Observer
+    from .telemetry.lossparse import LossParser
+
+    observer = Observer(hub, budget=hub.overrides.memory_budget)
+    parser = LossParser(observer.printed)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(sys.stdout, parser.feed), _Tee(sys.stderr, parser.feed)
+    try:
+        with observer.installed():
+            yield observer
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe: Any = None) -> int:
+    """Run `path` as __main__ with `args`; returns the exit code `python path args` would give.
+
+    With `observe` (the hub), a script running its own loop is watched (engine/observe.py), and
+    an OOM that ends it is diagnosed before its traceback."""
     err = err or sys.stderr
     check_script(path)
     name = os.path.basename(path)
+    observing = contextlib.ExitStack()
+    # Installed before the script's folder goes on sys.path: a models.py or utils.py there must
+    # not shadow what torch imports (the script itself then sees what python would show it).
+    observer = observing.enter_context(_observed(observe)) if observe is not None else None
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    failure: str | None = None
     try:
         runpy.run_path(path, run_name="__main__")
         return 0
     except SystemExit as exc:
-        if exc.code is None:
+        if exc.code is None or exc.code == 0:
             return 0
+        failure = f"exit code {exc.code}"
         if isinstance(exc.code, int):
             return exc.code
         err.write(f"{exc.code}\n")
         return 1
     except KeyboardInterrupt:
+        failure = "interrupted"
         err.write(f"\ngputui: {name} interrupted\n")
         return 130
     except FitError as exc:
+        failure = str(exc)
         err.write(f"gputui: error: {exc}\n")
         return 1
     except SyntaxError as exc:
         where = f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
+        failure = f"syntax error at {where}: {exc.msg}"
         err.write(f"gputui: {name} has a syntax error at {where}: {exc.msg}\n")
         return 1
     except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported, not re-raised
+        failure = f"{type(exc).__name__}: {exc}"
         err.write(user_traceback(exc))
+        if observer is not None and observer.is_oom(exc):  # the failed step's tensors are still alive
+            err.write(diagnosis_text(observer.diagnose(exc)))
         err.write(f"gputui: {name} failed: {type(exc).__name__}: {exc}\n")
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        observing.close()
+        if observer is not None:
+            observer.finish(failure)
 
 
 def detach_from_terminal() -> None:

@@ -43,10 +43,12 @@ class StateTracker:
     The counters change only on the training thread; readers take a snapshot of ints.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, budget: int | None) -> None:
+    def __init__(self, model: torch.nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 budget: int | None) -> None:
+        """`model`: the module, or its parameters (a script's own loop shows only its optimizer's)."""
         self.budget = budget
         self.optimizer = optimizer
-        self._params = [p for p in model.parameters()]
+        self._params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
         self.params = tensor_bytes(self._params)
         self._param_keys = frozenset(storage_key(p)[0] for p in self._params)
         self.grads = 0

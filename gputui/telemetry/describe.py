@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..units import format_bytes
 from .sample import Event
@@ -65,3 +65,22 @@ def describe(event: Event) -> str:
         return _TEXT[event.name](event)
     except KeyError:  # an event from a newer peer, or one missing a detail: still say something
         return event.name.replace("_", " ")
+
+
+def diagnosis_text(d: Mapping[str, Any]) -> str:
+    """An OOM diagnosis (engine/observe.py) as text: what `gputui run` prints, what the TUI shows."""
+    lines = [f"gputui: out of memory in {d['phase']} at {d['where']}", f"  {d['message']}"]
+    m = d.get("memory") or {}
+    figures = [f"{name} {format_bytes(m.get(key))}" for name, key in (
+        ("allocated", "allocated"), ("reserved", "reserved"), ("fragmented", "fragmented"), ("step peak", "peak"),
+        ("capacity", "capacity")) if m.get(key) is not None]
+    if figures:
+        lines.append("  memory then: " + ", ".join(figures))
+    if d.get("top"):
+        lines.append("  largest tensors:")
+        for r in d["top"][:5]:
+            shape = "x".join(map(str, r["shape"])) or "scalar"
+            lines.append(f"    {format_bytes(r['bytes']):>10}  {r['count']:>4} x {shape} {r['dtype']} {r['role']}")
+    lines.append("  what would fit here:")
+    lines.extend(f"    - {r}" for r in d["remedies"])
+    return "\n".join(lines) + "\n"

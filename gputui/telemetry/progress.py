@@ -62,6 +62,7 @@ class ProgressLine:
         self._last_draw = 0.0
         self._pending: StepSample | None = None
         self._drawn = False  # a line without a newline is on the terminal
+        self.quiet = False
 
     def _write(self, text: str) -> None:
         try:
@@ -88,6 +89,10 @@ class ProgressLine:
 
     def on_start(self, info: dict[str, Any]) -> None:
         self._info = info
+        # A script with its own loop prints its own progress: gputui adds nothing to its output.
+        self.quiet = info.get("mode") == "observe"
+        if self.quiet:
+            return
         length = []
         if info.get("epochs"):
             length.append(f"{info['epochs']} epoch{'s' if info['epochs'] != 1 else ''}")
@@ -99,18 +104,22 @@ class ProgressLine:
             f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n")
 
     def on_sample(self, sample: StepSample) -> None:
+        if self.quiet:
+            return
         if sample.step == 1 or time.monotonic() - self._last_draw >= self.interval:
             self._draw(sample)
         else:
             self._pending = sample
 
     def on_event(self, event: Event) -> None:
-        if event.name == "error":  # it surfaces as the exception fit() raises
+        if self.quiet or event.name == "error":  # it surfaces as the exception fit() raises
             return
         self._clear()
         self._write(f"gputui: step {event.step} | {describe(event)}\n")
 
     def on_end(self, summary: dict[str, Any]) -> None:
+        if self.quiet:
+            return
         if self._pending is not None:
             self._draw(self._pending)
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")

@@ -183,6 +183,8 @@ class StepSample:
     memory: Memory
     samples: int = 0
     host: HostReading | None = None
+    loss_source: str | None = None  # None: fit's step(); else where a script's own loop showed it
+    steps_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         m = self.memory
@@ -208,6 +210,8 @@ class StepSample:
             "samples": self.samples,
             "memory": m.to_json(),
             "host": None if self.host is None else self.host.to_json(),
+            "loss_source": self.loss_source,
+            "steps_per_s": None if self.steps_per_s is None else round(self.steps_per_s, 3),
         }
 
     @classmethod
@@ -217,6 +221,8 @@ class StepSample:
         values["memory"] = Memory.from_json(data["memory"])
         values["host"] = HostReading.from_json(data["host"]) if data.get("host") else None
         values["samples"] = data.get("samples", 0)
+        values["loss_source"] = data.get("loss_source")
+        values["steps_per_s"] = data.get("steps_per_s")
         return cls(**values)
 
 

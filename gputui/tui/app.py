@@ -25,7 +25,7 @@ from textual.widgets import Footer
 from .model import KEYS, OutputLog, RunView, Source
 from .screens import (ConfirmQuit, FailureScreen, HelpScreen, LogScreen, MemoryScreen, OomScreen, Overlay,
                       TopTensorsScreen)
-from .widgets import GpuLine, HeaderBar, LossPanel, MemoryPanel, RemediesBar, Timeline
+from .widgets import GpuLine, HeaderBar, LogPanel, LossPanel, MemoryPanel, RemediesBar, Timeline
 
 Runner = Callable[[io.StringIO], int]
 """Runs the training script (writing any failure report to the stream); returns its exit code."""
@@ -66,7 +66,9 @@ class MainScreen(Screen[None]):
             yield MemoryPanel(id="memory")
             yield LossPanel(id="loss")
         yield RemediesBar(id="remedies")
-        yield Timeline(id="timeline")
+        with Horizontal(id="bottom"):
+            yield Timeline(id="timeline")
+            yield LogPanel(id="log")
         yield GpuLine(id="gpus")
         yield Footer()
 
@@ -78,6 +80,7 @@ class MainScreen(Screen[None]):
         self.query_one("#memory").border_title = "memory"
         self.query_one("#loss").border_title = "loss"
         self.query_one("#timeline").border_title = "events"
+        self.query_one("#log").border_title = "script output"
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.height < 30, "-short")
@@ -144,8 +147,10 @@ class GputuiApp(App[int]):
         if not self.main.ready:  # pushed, not composed yet: the next pull renders
             return
         with self.batch_update():
-            for widget in self.main.query("#header, #memory, #loss, #remedies, #timeline, #gpus"):
+            for widget in self.main.query("#header, #memory, #loss, #remedies, #timeline, #log, #gpus"):
                 widget.refresh()
+            for log in self.main.query("#log"):
+                log.display = (self.view.info or {}).get("mode") == "observe"
             for line in self.main.query("#gpus"):  # query, not query_one: gone while the app closes
                 line.display = self.view.gpus is not None
             if isinstance(self.screen, Overlay):

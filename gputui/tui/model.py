@@ -314,6 +314,9 @@ class RunView:
             return "training has not started yet"
         if not self.training:
             return "training has ended"
+        if self.info.get("mode") == "observe" and action not in ("free_cache", "snapshot", "top_tensors",
+                                                                  "toggle_pause"):
+            return self.info.get("needs_fit") or "this needs gputui.fit"
         s = self.latest
         if action == "halve_batch" and s is not None and s.micro_batch <= 1:
             return "the micro-batch is already 1"

@@ -40,7 +40,8 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     hung_up = threading.Event()
     with guarded_output(output.write):  # what C code writes joins the script's log
         app = GputuiApp(LocalSource(hub), script=os.path.basename(script),
-                        runner=lambda err: run_script(script, args, err=err), refresh=refresh, output=output)
+                        runner=lambda err: run_script(script, args, err=err, observe=hub), refresh=refresh,
+                        output=output)
         _on_hangup(app, hung_up)
         app.run()
     thread = app.training_thread

@@ -71,9 +71,12 @@ class HeaderBar(Panel):
         if s is not None:
             total, epochs = info.get("total_steps"), info.get("epochs")
             parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
-            parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
+            if info.get("mode") != "observe":  # an own loop's epochs are not known
+                parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
             if s.samples_per_s:
                 parts.append((2, f" │ {s.samples_per_s:,.0f} samples/s", ""))
+            elif s.steps_per_s:
+                parts.append((2, f" │ {s.steps_per_s:,.1f} steps/s", ""))
         if v.eta is not None:
             parts.append((3, f" │ ETA {duration(v.eta)}", ""))
         parts.append((6, f" │ {duration(v.elapsed)}", "dim"))
@@ -220,6 +223,8 @@ class LossPanel(Panel):
         head.append(f"{latest:.4g}", style="bold")
         head.append(f"  smoothed {smoothed[-1]:.4g}", style="green")
         head.append(f"  min {raw[best]:.4g} @ {v.loss.steps[best]}", style="dim")
+        if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
+            head.append(f"  from {v.latest.loss_source}", style="italic")
         rows = height - 2
         lines: list[RenderableType] = [head]
         if rows >= 2:
@@ -244,6 +249,13 @@ class RemediesBar(Panel):
             text.append(" ")
 
         wide = self.content_size.width >= 90
+        if (v.info or {}).get("mode") == "observe":
+            text.append("own loop, observed: ", style="bold")
+            for k, label in (("f", "free cache"), ("s", "snapshot"), ("t", "top tensors"), ("p", "pause")):
+                key(k, {"f": "free_cache", "s": "snapshot", "t": "top_tensors", "p": "toggle_pause"}[k])
+                text.append(f"{label}  ")
+            text.append("· b a c o need gputui.fit (README: Adopting fit)", style="dim")
+            return text
         key("b/B", "halve_batch")
         if s is not None:
             text.append(f"{'micro-batch' if wide else 'mb'} {s.micro_batch} × {s.accumulation} = {s.batch_size}",
@@ -282,6 +294,18 @@ class Timeline(Panel):
             line.append(entry.text, style=self.STYLES.get(entry.kind, ""))
             lines.append(line)
         return Group(*lines)
+
+
+class LogPanel(Panel):
+    """The script's latest output lines (own-loop runs show it on the main screen)."""
+
+    def render(self) -> RenderableType:
+        height = max(1, self.content_size.height)
+        lines, _ = self.gapp.output.since(max(0, self.gapp.output.total - height))
+        if not lines:
+            return Text("the script's output appears here", style="dim")
+        return Text("\n".join(line[-self.content_size.width:] if len(line) > self.content_size.width else line
+                              for line in lines), no_wrap=True, overflow="ellipsis")
 
 
 class GpuLine(Panel):

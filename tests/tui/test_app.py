@@ -125,3 +125,47 @@ async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
         top = app.view.top
         assert "parameter" in roles and table.row_count > 3, {k: top.get(k) for k in
                                                               ("complete", "scanned", "elapsed_s", "groups", "rows")}
+
+
+OWN_LOOP = """
+import time, torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3000):
+    x, y = torch.randn(16, 8), torch.randint(2, (16,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(f"step {step} loss: {loss.item():.4f}")
+    time.sleep(0.01)
+"""
+
+
+async def test_own_loop_script_is_observed(hub, tmp_path):
+    from gputui.launch import run_script
+    from gputui.tui.app import GputuiApp
+    from gputui.tui.model import LocalSource
+
+    path = tmp_path / "own.py"
+    path.write_text(OWN_LOOP)
+    app = GputuiApp(LocalSource(hub), script="own.py", refresh=20,
+                    runner=lambda err: run_script(str(path), [], err=err, observe=hub))
+    said = []
+    notify = app.notify
+    app.notify = lambda message, **kw: (said.append(message), notify(message, **kw))
+    try:
+        async with app.run_test(size=(110, 32)) as pilot:
+            await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 3)
+            assert "own loop, observed" in text(app, "#remedies")
+            assert "from backward()" in text(app, "#loss")
+            await pilot.press("b")
+            assert said[-1] == "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
+            await pilot.press("f")
+            await until(pilot, lambda: any(e.name == "cache_freed" for e in hub.events()))
+            await until(pilot, lambda: "loss: " in text(app, "#log"))
+            recorded = hub.latest()
+            assert recorded.loss_source == "backward()" and recorded.batch_size == 0
+    finally:
+        hub.controls.request("stop")  # an own loop stops with a KeyboardInterrupt after its next step
+        app.training_thread.join(30)
+    assert not app.training_thread.is_alive()

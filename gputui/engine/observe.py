@@ -1,0 +1,368 @@
+"""Zero-change mode: watching a script that runs its own training loop.
+
+gputui cannot change how such a loop trains, but it can see it: the loss of every backward()
+on a scalar (unscaled when a GradScaler scaled it), every optimizer step (PyTorch's global
+optimizer hooks), the samples each DataLoader batch carried, the memory after each step, and
+the losses the script prints. At a step boundary (after optimizer.step()) it applies what needs
+no loop: free the cache, snapshot, top tensors, pause. An OOM that ends the script gets a
+diagnosis instead of a bare traceback. While gputui.fit runs, the observer stands aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import traceback
+from typing import Any, Iterator
+
+import torch
+import torch.utils.data.dataloader as dataloader_module
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..probes import snapshot
+from ..probes.cpu import StateTracker, state_tensors
+from ..probes.device import Probe, for_device
+from ..probes.host import read_host
+from ..probes.tensors import top_tensors
+from ..telemetry.controls import Control
+from ..telemetry.hub import Hub
+from ..telemetry.rate import Rate
+from ..telemetry.sample import Event, Memory, StepSample
+from .microbatch import batch_size
+from .oom import is_oom
+
+NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
+"""Why the remedies that change how the loop trains are unavailable here."""
+
+HOST_INTERVAL = 1.0
+
+
+class Observer:
+    def __init__(self, hub: Hub, budget: int | None = None) -> None:
+        self.hub = hub
+        self.budget = budget
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.device = torch.device("cpu")
+        self.tracker: StateTracker | None = None
+        self.probe: Probe | None = None
+        self.steps = self.samples = 0
+        self.loss: float | None = None
+        self.loss_source: str | None = None
+        self.phase: str | None = None  # "optimizer" while optimizer.step() runs
+        self.failed_in: str | None = None  # set when backward() raised
+        self.amp = "off"
+        self.paused = False
+        self._losses: list[torch.Tensor] = []
+        self._unscaled: dict[int, torch.Tensor] = {}
+        self._printed: tuple[float, str] | None = None
+        self._pending_samples = 0
+        self._backwards = 0
+        self._rate = Rate()
+        self._host: Any = None
+        self._host_t = 0.0
+        self._events: list[Event] = []
+        self._started = False
+        self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
+        self.diagnosis: dict[str, Any] | None = None
+
+    # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
+    def on_start(self, info: dict[str, Any]) -> None:
+        if info.get("mode") != "observe":
+            self.fitting = True
+            if self.tracker is not None:  # fit counts its own bytes: two trackers would count twice
+                self.tracker.close()
+                self.tracker = None
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        self.fitting = False
+
+    def on_sample(self, sample: StepSample) -> None:
+        pass
+
+    def on_event(self, event: Event) -> None:
+        pass
+
+    # -- installing: every patch is undone on exit ----------------------------------------------
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Observer]:
+        """Hooks on while the script runs, in the thread that runs it (saved-tensor hooks are per thread)."""
+        original_backward = torch.autograd.backward
+        original_init = torch.optim.Optimizer.__init__
+        original_next = dataloader_module._BaseDataLoaderIter.__next__
+        original_scale = torch.amp.GradScaler.scale
+        original_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
+        observer = self
+
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not observer.fitting:
+                observer._note_backward(tensors)
+            observer.phase, observer.failed_in = "backward", None
+            try:
+                return original_backward(tensors, *args, **kwargs)
+            except BaseException:
+                observer.failed_in = "backward"  # for the diagnosis, if this ends the script
+                raise
+            finally:
+                observer.phase = None
+                if observer.tracker is not None and not observer.fitting:
+                    observer.tracker.end_micro_batch()
+
+        def init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original_init(optimizer, *args, **kwargs)
+            if observer.optimizer is None and not observer.fitting:
+                observer._found_optimizer(optimizer)
+
+        def next_batch(iterator: Any) -> Any:
+            batch = original_next(iterator)
+            try:
+                observer._pending_samples += batch_size(batch)
+            except (ValueError, TypeError):
+                pass
+            return batch
+
+        def zero_grad(original: Any) -> Any:
+            def wrapper(owner: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(owner, *args, **kwargs)
+                if observer.tracker is not None and not observer.fitting:
+                    observer.tracker._sync_grads()  # set_to_none freed them: stop counting them
+                return result
+            return wrapper
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            scaled = original_scale(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                observer._unscaled[id(scaled)] = outputs.detach()
+            return scaled
+
+        hooks = [register_optimizer_step_pre_hook(self._before_step),
+                 register_optimizer_step_post_hook(self._after_step)]
+        torch.autograd.backward = backward
+        torch.optim.Optimizer.__init__ = init
+        dataloader_module._BaseDataLoaderIter.__next__ = next_batch
+        torch.amp.GradScaler.scale = scale
+        torch.optim.Optimizer.zero_grad = zero_grad(original_zero[0])
+        torch.nn.Module.zero_grad = zero_grad(original_zero[1])
+        self.hub.add_sink(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield self
+        finally:
+            torch.autograd.backward = original_backward
+            torch.optim.Optimizer.__init__ = original_init
+            dataloader_module._BaseDataLoaderIter.__next__ = original_next
+            torch.amp.GradScaler.scale = original_scale
+            torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = original_zero
+            for hook in hooks:
+                hook.remove()
+            self.hub.remove_sink(self)
+            if self.tracker is not None:
+                self.tracker.close()
+
+    # -- what the hooks see ----------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tracker is not None and not self.fitting:
+            if not self._backwards and self.amp == "off":
+                self._note_autocast(t)
+            return self.tracker._pack(t)
+        return t
+
+    def _note_autocast(self, t: torch.Tensor) -> None:
+        device = t.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            self.amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "off")
+
+    def _note_backward(self, tensors: Any) -> None:
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            value = self._unscaled.pop(id(tensors), None)
+            self._losses.append((value if value is not None else tensors).detach())
+            self._backwards += 1
+
+    def printed(self, value: float, style: str) -> None:
+        """A loss the script printed (from the output parser)."""
+        self._printed = (value, style)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]] if self.optimizer else []
+
+    def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        params = self._params()
+        device = params[0].device if params else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.tracker = StateTracker(params, optimizer, self.budget) \
+            if device.type == "cpu" or self.budget is not None else None
+        self.probe = for_device(device, self.tracker)
+        self.probe.start_step()
+
+    def _start(self) -> None:
+        """At the first step of the script's own loop (a fit script never gets here)."""
+        assert self.optimizer is not None and self.probe is not None
+        self._started = True
+        params, optimizer = self._params(), self.optimizer
+        self.hub.start({
+            "mode": "observe", "pid": os.getpid(), "started": time.time(), "argv": list(sys.argv),
+            "device": str(self.device), "device_name": self.probe.name, "model": "own loop",
+            "params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "optimizer": type(optimizer).__name__, "epochs": None, "max_steps": None, "steps_per_epoch": None,
+            "total_steps": None, "micro_batch": None, "amp": "off", "checkpointing": False,
+            "checkpointing_unavailable": NEEDS_FIT, "needs_fit": NEEDS_FIT, "auto_recover": False,
+            "memory_budget": self.budget,
+        })
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is self.optimizer and not self.fitting:
+            self.phase = "optimizer"
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is not self.optimizer or self.fitting:
+            return
+        self.phase = None
+        if not self._started:
+            self._start()
+        if self.tracker is not None:
+            self.tracker.refresh_optimizer()
+        self.steps += 1
+        self.samples += self._pending_samples
+        batch, self._pending_samples = self._pending_samples, 0
+        if self._losses:
+            self.loss, self.loss_source = float(sum(t.float().sum().item() for t in self._losses)), "backward()"
+        elif self._printed is not None:
+            self.loss, self.loss_source = self._printed
+        accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
+        self._publish(batch, accumulation)
+        assert self.probe is not None
+        self.probe.start_step()
+        self._boundary()
+
+    def _publish(self, batch: int, accumulation: int) -> None:
+        assert self.probe is not None
+        now = time.monotonic()
+        steps_per_s, samples_per_s = self._rate.add(now, self.steps, self.samples)
+        if now - self._host_t >= HOST_INTERVAL:
+            self._host, self._host_t = read_host(), now
+        self.hub.publish(StepSample(
+            t=time.time(), step=self.steps, epoch=0, loss=self.loss, batch_size=batch,
+            micro_batch=batch // accumulation if batch else 0, accumulation=accumulation, amp=self.amp,
+            checkpointing=False, samples_per_s=samples_per_s, memory=self.probe.read(), samples=self.samples,
+            host=self._host, loss_source=self.loss_source, steps_per_s=steps_per_s))
+
+    # -- the step boundary: what needs no loop ---------------------------------------------------------
+    def _boundary(self) -> None:
+        for control in self.hub.controls.drain():
+            self._apply(control)
+        while self.paused:
+            if self.hub.controls.wait(0.25):
+                for control in self.hub.controls.drain():
+                    self._apply(control)
+
+    def _emit(self, name: str, control: Control | None = None, **details: Any) -> None:
+        if control is not None:
+            details.update(control.answer())
+        event = Event(name, self.steps, details)
+        self._events.append(event)
+        self.hub.emit(event)
+
+    def _apply(self, control: Control) -> None:
+        assert self.probe is not None
+        action, device = control.action, self.device
+        if action == "free_cache":
+            self._emit("cache_freed", control, **self.probe.free_cache())
+        elif action == "top_tensors":
+            self._emit("top_tensors", control, **self._top())
+        elif action in ("snapshot", "memory_summary"):
+            reason = snapshot.unavailable(device)
+            if reason:
+                self._emit("control_refused", control, action=action, value=None, reason=reason)
+            elif action == "snapshot":
+                self._emit("snapshot_saved", control, **snapshot.dump("gputui-snapshots", device, step=self.steps,
+                                                                      reason="requested"))
+            else:
+                self._emit("memory_summary", control, text=torch.cuda.memory_summary(device))
+        elif action == "pause" and not self.paused:
+            self.paused = True
+            self._emit("paused", control)
+        elif action == "resume" and self.paused:
+            self.paused = False
+            self._rate.clear()
+            self._emit("resumed", control)
+        elif action == "stop":
+            self.paused = False
+            self._emit("stopped", control, reason="requested: KeyboardInterrupt raised in the script")
+            raise KeyboardInterrupt  # in the script's thread, after its optimizer.step(): as Ctrl-C would
+        else:
+            reason = NEEDS_FIT if action not in ("pause", "resume") else f"already {'paused' if self.paused else 'running'}"
+            self._emit("control_refused", control, action=action, value=control.value, reason=reason)
+
+    def _top(self) -> dict[str, Any]:
+        params = self._params()
+        return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
+                           optimizer_state=state_tensors(self.optimizer) if self.optimizer else [])
+
+    # -- the end ---------------------------------------------------------------------------------------
+    @staticmethod
+    def is_oom(exc: BaseException) -> bool:
+        return is_oom(exc)
+
+    def diagnose(self, exc: BaseException) -> dict[str, Any]:
+        """Where an OOM struck, the memory then, the largest tensors (the failed step's frames are
+        still alive), and the remedies that fit; emitted as an event and returned."""
+        where = _user_frame(exc)
+        phase = self.phase or self.failed_in or "forward"
+        memory = self.probe.read() if self.probe is not None else None
+        top = self._top() if self.probe is not None else {"rows": []}
+        details: dict[str, Any] = {
+            "diagnosis": True, "phase": phase, "where": where, "message": str(exc).strip().splitlines()[0],
+            "memory": memory.to_json() if memory else None, "top": top["rows"][:8],
+            "remedies": _remedies(phase, memory), "recovered": False,
+        }
+        self._emit("oom", **details)
+        self.diagnosis = details
+        return details
+
+    def finish(self, error: str | None) -> None:
+        if not self._started:
+            return
+        self.hub.end({"steps": self.steps, "epochs": 0, "samples": self.samples, "micro_batch": None,
+                      "loss": self.loss, "stopped": None, "amp": self.amp, "checkpointing": False,
+                      "ooms_recovered": 0, "elapsed_s": round(time.time() - self.hub.info["started"], 3)
+                      if self.hub.info else 0.0, "error": error})
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost frame of the script's own code (not torch's, not gputui's)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, ours)) and not f.filename.startswith("<frozen")]
+    if not frames:
+        return "unknown"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+
+
+def _remedies(phase: str, memory: Memory | None) -> list[str]:
+    fit = "gputui.fit would have caught this OOM and replayed the batch with half the micro-batch (README: Adopting fit)"
+    if phase == "optimizer":
+        return ["the optimizer's state does not shrink with the batch: a lighter optimizer (SGD with momentum, "
+                "Adafactor, 8-bit Adam) or fewer trainable parameters",
+                "more memory: --gpu-memory-limit / the budget is lower than the model needs"]
+    advice = ["a smaller batch, with gradient accumulation to keep the effective batch (fit does it live: b)",
+              "activation checkpointing on the repeated blocks (fit: c)",
+              "mixed precision: torch.autocast with bf16 (fit: a)"]
+    if memory is not None and memory.fragmented and memory.reserved:
+        share = memory.fragmented / memory.reserved
+        if share > 0.2:
+            advice.append(f"{share:.0%} of reserved memory is fragmented: "
+                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator reuse it")
+    if phase == "backward":
+        advice.insert(0, "backward needs the activations saved in forward: checkpointing trades them for compute")
+    return [*advice, fit]

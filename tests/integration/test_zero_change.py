@@ -1,0 +1,190 @@
+"""Zero-change mode: scripts with their own loops, written the way people write them, run unchanged.
+
+Each runs under plain python and under `gputui run --headless --metrics`: the output and files
+must be the same, and the losses gputui records must be the ones the script computed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import json, sys, time
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+x, y = torch.randn(320, 16), torch.randint(4, (320,))
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+computed = []
+"""
+
+SAVE = """
+json.dump(computed, open("computed.json", "w"))
+"""
+
+SCRIPTS = {
+    "tqdm": PRELUDE + """
+from tqdm import tqdm
+for epoch in range(2):
+    bar = tqdm(loader, desc=f"epoch {epoch}")
+    for xb, yb in bar:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        computed.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+""" + SAVE,
+    "every_n": PRELUDE + """
+for step, (xb, yb) in enumerate(loader):
+    loss = nn.functional.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    computed.append(loss.item())
+    if step % 3 == 0:
+        print(f"step {step} loss: {loss.item():.4f}")
+""" + SAVE,
+    "dict_logs": PRELUDE + """
+for step, (xb, yb) in enumerate(loader):
+    loss = nn.functional.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    model.zero_grad()
+    computed.append(loss.item())
+    print({"loss": round(loss.item(), 4), "learning_rate": 0.01, "epoch": round(step / 10, 2)})
+""" + SAVE,
+    "argv_and_file": PRELUDE + """
+steps = int(sys.argv[1]); out = sys.argv[2]
+for step in range(steps):
+    xb, yb = x[step * 8:(step + 1) * 8], y[step * 8:(step + 1) * 8]
+    loss = nn.functional.cross_entropy(model(xb), yb)
+    opt.zero_grad(); loss.backward(); opt.step()
+    computed.append(loss.item())
+torch.save(model.state_dict(), out)
+print("wrote", out, "after", steps, "steps")
+""" + SAVE,
+}
+
+
+def run(tmp_path, name, code, argv, gputui_args=None):
+    folder = tmp_path / ("gputui" if gputui_args is not None else "plain")
+    folder.mkdir()
+    script = folder / f"my_{name}.py"  # not tqdm.py: a script named like a module shadows it
+    script.write_text(textwrap.dedent(code))
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONHASHSEED": "0"}
+    command = [sys.executable, str(script), *argv] if gputui_args is None else \
+        [sys.executable, "-m", "gputui", "run", "--headless", *gputui_args, str(script), *argv]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=folder, env=env, timeout=120)
+    return done, folder
+
+
+def steps_of(metrics):
+    return [json.loads(line) for line in metrics.read_text().splitlines() if '"kind":"step"' in line]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_own_loop_runs_unchanged_and_its_losses_are_recorded(tmp_path, name):
+    argv = ["7", "model.pt"] if name == "argv_and_file" else []
+    plain, plain_dir = run(tmp_path, name, SCRIPTS[name], argv)
+    metrics = tmp_path / "m.jsonl"
+    ours, our_dir = run(tmp_path, name, SCRIPTS[name], argv, ["--metrics", str(metrics)])
+    assert plain.returncode == ours.returncode == 0, ours.stderr
+    assert ours.stdout == plain.stdout
+    if name != "tqdm":  # tqdm's stderr carries timings; the rest must match too
+        assert ours.stderr == plain.stderr.replace(NUMPY_WARNING, "")
+    computed = json.loads((our_dir / "computed.json").read_text())
+    assert computed == json.loads((plain_dir / "computed.json").read_text())
+    steps = steps_of(metrics)
+    assert [s["step"] for s in steps] == list(range(1, len(computed) + 1))
+    assert [s["loss"] for s in steps] == pytest.approx(computed, rel=1e-6)
+    assert {s["loss_source"] for s in steps} == {"backward()"}
+    if name == "argv_and_file":
+        assert (our_dir / "model.pt").read_bytes() != b"" and (plain_dir / "model.pt").exists()
+    else:
+        assert steps[-1]["batch_size"] == 32 and steps[-1]["samples"] == 32 * len(steps)
+
+
+NUMPY_WARNING = ""  # torch's "Failed to initialize NumPy" warning, which gputui filters, is matched below
+
+
+@pytest.fixture(autouse=True)
+def numpy_warning():
+    """torch warns on import without NumPy; gputui silences that one line, nothing else."""
+    global NUMPY_WARNING
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True)
+    NUMPY_WARNING = probe.stderr
+
+
+def test_printed_losses_when_backward_sees_no_scalar(tmp_path):
+    code = PRELUDE + """
+for step, (xb, yb) in enumerate(loader):
+    losses = nn.functional.cross_entropy(model(xb), yb, reduction="none")
+    losses.backward(torch.full_like(losses, 1 / len(losses)))  # no scalar: the loss comes from the print
+    opt.step(); opt.zero_grad()
+    computed.append(round(losses.mean().item(), 4))
+    print(f"iter {step}: loss {losses.mean().item():.4f}")
+""" + SAVE
+    metrics = tmp_path / "m.jsonl"
+    done, folder = run(tmp_path, "vector", code, [], ["--metrics", str(metrics)])
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(metrics)
+    computed = json.loads((folder / "computed.json").read_text())
+    # a print comes after its step: step N carries the loss printed after step N-1
+    assert [s["loss"] for s in steps[1:]] == computed[:-1]
+    assert steps[-1]["loss_source"] == "printed"
+
+
+def test_a_script_that_raises_fails_as_under_python(tmp_path):
+    code = PRELUDE + """
+for step, (xb, yb) in enumerate(loader):
+    loss = nn.functional.cross_entropy(model(xb), yb)
+    loss.backward(); opt.step(); opt.zero_grad()
+    if step == 3:
+        raise ValueError("label 9 is out of range")
+"""
+    plain, _ = run(tmp_path, "raises", code, [])
+    metrics = tmp_path / "m.jsonl"
+    ours, _ = run(tmp_path, "raises", code, [], ["--metrics", str(metrics)])
+    assert plain.returncode == ours.returncode == 1
+    assert ours.stderr.splitlines()[-1] == "gputui: my_raises.py failed: ValueError: label 9 is out of range"
+    assert 'my_raises.py", line' in ours.stderr and "gputui/launch.py" not in ours.stderr
+    end = json.loads(metrics.read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["steps"] == 4 and "label 9" in end["error"]
+
+
+def test_an_oom_is_diagnosed_and_fails_with_the_scripts_code(tmp_path):
+    code = """
+import torch
+from torch import nn
+model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(3)])
+opt = torch.optim.AdamW(model.parameters())
+
+def train_step(x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    return loss.item()
+
+for step in range(200):
+    train_step(torch.randn(64 * (step + 1), 128))
+    print("step", step)
+"""
+    metrics = tmp_path / "m.jsonl"
+    done, _ = run(tmp_path, "grows", code, [], ["--metrics", str(metrics), "--memory-budget", "24MiB"])
+    assert done.returncode == 1
+    err = done.stderr
+    assert "gputui: out of memory in backward at my_grows.py:" in err and " in train_step: loss.backward()" in err
+    assert "memory then: allocated" in err and "largest tensors:" in err and "what would fit here:" in err
+    assert "gputui.fit would have caught this OOM" in err
+    assert err.splitlines()[-1].startswith("gputui: my_grows.py failed: OutOfMemoryError: CPU memory budget exceeded")
+    oom = [json.loads(x) for x in metrics.read_text().splitlines() if '"name":"oom"' in x]
+    assert oom and oom[0]["diagnosis"] is True and oom[0]["top"] and oom[0]["where"].startswith("my_grows.py:")
