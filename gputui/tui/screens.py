@@ -3,8 +3,6 @@ quit confirmation, and the failure report."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -16,23 +14,13 @@ from textual.widgets import Button, DataTable, Footer, Label, RichLog, Static
 
 from ..units import format_bytes
 from .model import KEYS, RunView
-
-if TYPE_CHECKING:
-    from .app import GputuiApp
+from .widgets import ViewAccess
 
 
-class Overlay(Screen[None]):
+class Overlay(ViewAccess, Screen[None]):
     """A full screen the user leaves with escape (or its own key again)."""
 
     BINDINGS = [Binding("escape", "dismiss", "back"), Binding("q", "dismiss", "back", show=False)]
-
-    @property
-    def view(self) -> RunView:
-        return self.app.view  # type: ignore[attr-defined]
-
-    @property
-    def gapp(self) -> GputuiApp:
-        return self.app  # type: ignore[return-value]
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -42,16 +42,22 @@ def duration(seconds: float | None) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
-class Panel(Widget):
-    """A widget that renders from the app's view."""
+class ViewAccess:
+    """For widgets and screens of a GputuiApp: its view, and the app with its type."""
+
+    app: Any
 
     @property
     def view(self) -> RunView:
-        return self.app.view  # type: ignore[attr-defined]
+        return self.app.view
 
     @property
     def gapp(self) -> GputuiApp:
-        return self.app  # type: ignore[return-value]
+        return self.app
+
+
+class Panel(ViewAccess, Widget):
+    """A widget that renders from the app's view."""
 
 
 class HeaderBar(Panel):

@@ -51,6 +51,16 @@ def make_script(tmp_path, *, batch=16, batches=3000, delay=0.01, fail="", extra=
 
 
 @pytest.fixture
+def utc(monkeypatch):
+    """Timeline clocks in UTC, so snapshots do not depend on the machine's time zone."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+@pytest.fixture
 def make_app(hub, tmp_path):
     """An app training a real script (in tmp_path) in its thread, fed from the test's hub."""
     apps = []

@@ -4,7 +4,6 @@ After a deliberate UI change: `pytest tests/tui/test_snapshots.py --snapshot-upd
 the new SVGs before committing them.
 """
 
-import time
 
 import pytest
 
@@ -12,14 +11,7 @@ from fakes import FrozenClock, cpu_run, cuda_run
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
 
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.delenv("TZ")
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # timeline clocks in UTC: stable snapshots
 
 
 def app(source, script="train.py"):

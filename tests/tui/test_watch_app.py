@@ -7,7 +7,6 @@ then look at the new SVG before committing it.
 import io
 import subprocess
 import sys
-import time
 
 import pytest
 from rich.console import Group
@@ -16,6 +15,8 @@ from textual.widgets import DataTable
 from gputui import watch
 from gputui.telemetry.sample import GpuDevice, GpuProcess, GpuReading
 from gputui.tui.watch_app import DeviceList, WatchApp, WatchHelp
+
+pytestmark = pytest.mark.usefixtures("utc")  # timeline clocks in UTC: stable snapshots
 
 GiB, MiB = 2**30, 2**20
 T0 = 1_795_000_000.0  # 2026-11-18 11:06:40 UTC
@@ -44,15 +45,6 @@ class FakePoller:
 
     def latest(self):
         return self.reading
-
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.delenv("TZ")
-    time.tzset()
 
 
 def make(reading=GPUS):
