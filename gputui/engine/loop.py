@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -24,17 +23,18 @@ from torch import nn
 from ..probes import snapshot
 from ..probes.cpu import StateTracker, state_tensors
 from ..probes.device import for_device
-from ..probes.host import read_host
+from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_tensors
 from ..telemetry import hub as hubs
 from ..telemetry.controls import REMEDIES, Control
 from ..telemetry.jsonl import MetricsFile
 from ..telemetry.progress import ProgressLine
+from ..telemetry.rate import Rate
 from ..telemetry.sample import Event, StepSample
 from ..telemetry.server import serve
 from ..units import format_bytes, parse_size
-from .microbatch import batch_size, split, to_device
-from .oom import OomInfo, RngState, drop, is_oom
+from .microbatch import batch_size, shapes, split, to_device
+from .oom import Generators, OomInfo, drop, is_oom
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
 
@@ -44,10 +44,6 @@ MAX_RETRIES = 16
 THRASHING_STEPS = 3
 """Steps in a row with new allocator retries before a pre-emptive halving."""
 
-HOST_INTERVAL = 1.0
-"""Seconds between host readings (psutil: about 250 us each)."""
-
-_RATE_WINDOW = 32
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -161,6 +157,7 @@ class _Trainer:
         self.max_steps = max_steps
         self.device = resolve_device(device)
         self.precision = Precision(self.device, amp)
+        self.generators = Generators(self.device)
         self.checkpointing = Checkpointing(model, checkpoint_modules)
         reason = self.checkpointing.unavailable()
         if checkpointing and reason:
@@ -188,7 +185,7 @@ class _Trainer:
         self.stop_reason: str | None = None
         self._signal: str | None = None
         self._events: list[Event] = []
-        self._rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        self._rate = Rate()
         self._warned_loss = False
         self._host, self._host_t = None, 0.0
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
@@ -261,10 +258,11 @@ class _Trainer:
     # -- the step boundary ------------------------------------------------------------------
     def _boundary(self) -> bool:
         """Apply every queued control; while paused, wait here. False: stop before the next step."""
-        self._apply_queued()
-        while self.paused and self._stop() is None:
-            if self.hub.controls.wait(0.25):
-                self._apply_queued()
+        if self.hub.controls or self.paused:
+            self._apply_queued()
+            while self.paused and self._stop() is None:
+                if self.hub.controls.wait(0.25):
+                    self._apply_queued()
         return self._stop() is None
 
     def _apply_queued(self) -> list[Control]:
@@ -288,20 +286,14 @@ class _Trainer:
             self.stop_reason = self._signal
         return self.stop_reason
 
-    @staticmethod
-    def _meta(control: Control) -> dict[str, Any]:
-        """What every answer to a control carries: which request, from where, how long it waited."""
-        return {"request_id": control.id, "source": control.source,
-                "latency_s": round(max(0.0, time.time() - control.requested_at), 6)}
-
     def _refuse(self, control: Control, reason: str) -> bool:
         self._emit("control_refused", action=control.action, value=control.value, reason=reason,
-                   **self._meta(control))
+                   **control.answer())
         return False
 
     def _apply(self, control: Control) -> bool:
         """Apply one control; True if it changed something. Every request is answered by an event."""
-        meta = self._meta(control)
+        meta = control.answer()
         action, value = control.action, control.value
 
         def refuse(reason: str) -> bool:
@@ -374,16 +366,19 @@ class _Trainer:
     def _micro_batch(self) -> int:
         return min(self.micro_batch or self.batch_size, self.batch_size)
 
-
     # -- one global batch -------------------------------------------------------------------
     def _train(self, batch: Any) -> bool:
         """Train on one global batch, retrying it after OOMs. False: stopped before it was trained."""
-        rng = RngState(self.device)
+        rng = self.generators.save()
         retries = 0
         while True:
+            if self.tracker is not None:  # what this step saves for backward depends on these alone
+                self.tracker.expect((self._micro_batch(), self.precision.mode, self.checkpointing.enabled,
+                                     shapes(batch)))
             self.probe.start_step()
             oom = self._attempt(batch, self._baseline)
             if oom is None:
+                self.generators.completed()
                 return True
             self._drop_step()
             rng.restore()
@@ -540,11 +535,7 @@ class _Trainer:
 
     def _publish(self) -> None:
         now = time.monotonic()
-        self._rate.append((now, self.samples))
-        rate = None
-        if len(self._rate) > 1:
-            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
-            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
+        _, rate = self._rate.add(now, self.steps, self.samples)
         memory = self.probe.read()
         self._baseline = memory.allocated or 0
         self._watch_thrashing(memory.alloc_retries)

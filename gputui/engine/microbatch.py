@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,11 +25,11 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def _children(batch: Any) -> list[Any]:
+def _children(batch: Any) -> Sequence[Any]:
+    if isinstance(batch, (tuple, list)):  # first: the common case, and cheaper than the ABC check
+        return batch
     if isinstance(batch, Mapping):
         return list(batch.values())
-    if isinstance(batch, (tuple, list)):
-        return list(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     return []
@@ -43,6 +43,15 @@ def batch_size(batch: Any) -> int:
             f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}"
         )
     return tensor.shape[0]
+
+
+def shapes(batch: Any) -> Any:
+    """The shapes and dtypes of a batch's tensors, nested as the batch is: hashable, equal for two
+    batches that train the same way."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape, batch.dtype
+    children = _children(batch)
+    return tuple(shapes(c) for c in children) if children else None
 
 
 def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
@@ -101,6 +110,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
         if batch.device == device:
             return batch
         return batch.to(device, non_blocking=batch.is_pinned())
-    if not _children(batch):
-        return batch
-    return _rebuild(batch, lambda child: to_device(child, device))
+    children = _children(batch)
+    moved = [to_device(child, device) for child in children]
+    if all(new is old for new, old in zip(moved, children)):
+        return batch  # already there (every step on a CPU): no new container
+    return _rebuild_from(batch, moved)

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..probes import snapshot
 from ..probes.cpu import StateTracker, state_tensors
 from ..probes.device import Probe, for_device
-from ..probes.host import read_host
+from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_tensors
 from ..telemetry.controls import Control
 from ..telemetry.hub import Hub
@@ -35,8 +35,6 @@ from .oom import is_oom
 
 NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
 """Why the remedies that change how the loop trains are unavailable here."""
-
-HOST_INTERVAL = 1.0
 
 
 class Observer:
@@ -126,7 +124,7 @@ class Observer:
             def wrapper(owner: Any, *args: Any, **kwargs: Any) -> Any:
                 result = original(owner, *args, **kwargs)
                 if observer.tracker is not None and not observer.fitting:
-                    observer.tracker._sync_grads()  # set_to_none freed them: stop counting them
+                    observer.tracker.sync_grads()  # set_to_none freed them: stop counting them
                 return result
             return wrapper
 
@@ -165,7 +163,7 @@ class Observer:
         if self.tracker is not None and not self.fitting:
             if not self._backwards and self.amp == "off":
                 self._note_autocast(t)
-            return self.tracker._pack(t)
+            return self.tracker.pack(t)
         return t
 
     def _note_autocast(self, t: torch.Tensor) -> None:

@@ -5,18 +5,27 @@ optimizer state and the activations autograd saves for backward (through
 `saved_tensors_hooks`). With a budget, crossing it raises a real `torch.OutOfMemoryError`
 from inside forward, backward or the optimizer step: the same exception, at the same places,
 as a GPU running out, so the whole recovery path runs on any machine.
+
+Counting saved activations costs a Python call per saved tensor (~5 us). Without a budget, nothing
+depends on the count mid-step, so a step shaped like one counted less than RECOUNT_S ago (same
+micro-batch, AMP, checkpointing, batch shapes and optimizer state: the same tensors are saved) is
+not counted again and reports that step's peak.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+import time
+from typing import Any, ContextManager, Hashable, Iterable
 
 import torch
 
 from ..telemetry.sample import Memory
 from ..units import format_bytes
 from . import host
+
+RECOUNT_S = 1.0
+"""Without a budget, a step's activations are counted again at least this often, whatever its shape."""
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -58,10 +67,18 @@ class StateTracker:
         self.activations = 0
         self._saved: set[int] = set(self._param_keys)
         self.peak = 0
+        self.counting = True  # the step under way counts its saved activations
+        self._expected: Hashable | None = None  # the next step's shape, if the loop said
+        self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
+        self._started = 0.0
+        self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
+        # Only a budget needs to see each gradient appear (to raise inside backward where it is
+        # crossed); without one, counting them once after backward gives the same peak without a
+        # Python call per parameter per step (about 4 us each).
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad
-        ]
-        self._sync_grads()
+        ] if budget is not None else []
+        self.sync_grads()
         self.optimizer_bytes = tensor_bytes(state_tensors(optimizer))
         self._optimizer_entries = len(optimizer.state)
 
@@ -86,19 +103,30 @@ class StateTracker:
             f"saved activations {format_bytes(self.activations)})"
         )
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr, size = storage_key(t)
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Called for every tensor autograd saves: storage_key() inlined, the size read only when new.
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            storage, ptr = None, id(t)
         if ptr not in self._saved:
+            size = storage.nbytes() if storage is not None else t.numel() * t.element_size()
             self._saved.add(ptr)
             self.activations += size
             self._grow("forward", size)
-        return t
+        # Detached (autograd puts the grad_fn back on unpack): an output saved by its own grad_fn,
+        # kept with that grad_fn, is a cycle through C++ that gc cannot break, so a graph that
+        # never reaches backward (an attempt cut short by an OOM) would never be freed.
+        return t.detach()
 
     def note_saved(self, tensors: Iterable[object]) -> None:
         """Count tensors kept alive outside autograd's saved tensors (checkpointed block inputs)."""
+        if not self.counting:
+            return
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._pack(t)
+                self.pack(t)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
@@ -108,18 +136,28 @@ class StateTracker:
             self.grads += size
             self._grow("backward", size)
 
-    def _sync_grads(self) -> None:
-        self._has_grad = {id(p) for p in self._params if p.grad is not None}
-        self.grads = tensor_bytes(p.grad for p in self._params if p.grad is not None)
+    def sync_grads(self) -> None:
+        """Count the gradients there are now: numel x element size, as _on_grad does (gradients are
+        disjoint tensors; a storage lookup each would double the cost)."""
+        grads = [g for p in self._params if (g := p.grad) is not None]
+        self.grads = sum(g.numel() * g.element_size() for g in grads)  # not .nbytes: sparse has none
+        self._has_grad = {id(p) for p in self._params if p.grad is not None} if self._hooks else set()
 
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """Around forward: counts each tensor autograd saves for backward."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            yield
+    def saving(self) -> ContextManager[Any]:
+        """Around forward: counts each tensor autograd saves for backward (if this step counts)."""
+        if not self.counting:
+            return _NOT_COUNTING
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
     def end_micro_batch(self) -> None:
-        """Backward has freed the saved activations of this micro-batch."""
+        """After backward: its gradients are all there (counted now unless hooks saw each arrive, the
+        step's peak with them), and the saved activations of this micro-batch are freed."""
+        if not self._hooks and self.counting:  # uncounted, the step's peak is known already
+            self.sync_grads()
+            self._grow("backward", 0)
+        self._free_activations()
+
+    def _free_activations(self) -> None:
         self.activations = 0
         self._saved = set(self._param_keys)
 
@@ -130,14 +168,27 @@ class StateTracker:
             self._optimizer_entries = entries
             self.optimizer_bytes = tensor_bytes(state_tensors(self.optimizer))
             self._grow("optimizer", self.optimizer_bytes)
+        if self.counting and self._shape is not None:  # the step is complete: its peak is known
+            self._counted = (self._shape, self.peak, self._started)
 
     def reset(self) -> None:
         """After zero_grad(set_to_none=True), or after an OOM dropped everything of the step."""
-        self.end_micro_batch()
-        self._sync_grads()
+        self._free_activations()
+        self.sync_grads()
+
+    def expect(self, shape: Hashable) -> None:
+        """What the next step's saved activations depend on (the loop knows; see the module doc)."""
+        self._expected = shape
 
     def start_step(self) -> None:
-        self.peak = self.total
+        """A step (or a retry of one) begins: decide whether it counts its activations."""
+        now, expected, self._expected = time.monotonic(), self._expected, None
+        shape = None if expected is None else (expected, self._optimizer_entries)
+        last_shape, last_peak, last_start = self._counted
+        self.counting = (self.budget is not None or shape is None or shape != last_shape
+                         or now - last_start >= RECOUNT_S)
+        self._shape, self._started = (shape, now) if self.counting else (None, 0.0)
+        self.peak = self.total if self.counting else max(self.total, last_peak)
 
     def breakdown(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer_bytes,
@@ -162,6 +213,9 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         elif isinstance(v, (list, tuple)):
             pending.extend(v)
     return found
+
+
+_NOT_COUNTING = contextlib.nullcontext()
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ import psutil
 
 from ..telemetry.sample import HostReading
 
+HOST_INTERVAL = 1.0
+"""Seconds between full host readings (read_host) in a training loop."""
+
 RSS_MAX_AGE = 0.2
 """Seconds a per-step RSS reading may be reused for."""
 

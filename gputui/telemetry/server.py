@@ -63,7 +63,7 @@ class TelemetryServer:
         # The run as the server has seen it, for clients that connect later.
         self._info: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
-        self._last_step: dict[str, Any] | None = None
+        self._last_step: StepSample | None = None  # as an object: encoded only when a client wants it
         self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._series = {name: History(reduce=max) if peaks else History() for name, peaks in SERIES.items()}
         self._gpus: Any = None
@@ -174,7 +174,7 @@ class TelemetryServer:
         series = {name: {"steps": h.steps, "values": h.values, "stride": h.stride} for name, h in self._series.items()}
         records = [hello, {"kind": "history", "series": series}, *self._events]
         if self._last_step is not None:
-            records.append(self._last_step)
+            records.append(self._last_step.to_json())
         if self._gpus is not None:
             records.append(self._gpus)
         records.append({"kind": "live"})
@@ -232,11 +232,16 @@ class TelemetryServer:
         while self._queue:
             kind, item = self._queue.popleft()
             record = self._record(kind, item)
+            if record is None:
+                continue
             line = encode(clean(record))
             for peer in list(self._peers.values()):
                 peer.outbox += line
 
-    def _record(self, kind: str, item: Any) -> dict[str, Any]:
+    def _record(self, kind: str, item: Any) -> dict[str, Any] | None:
+        """Fold a record into the server's view of the run; returns it as sent, or None for a step
+        nobody is connected to see (serializing a step costs this thread ~100 us, holding the GIL
+        the training thread needs: benchmarks/tool_costs.py)."""
         if kind == "start":
             self._info, self._summary, self._last_step = item, None, None
             self._events.clear()
@@ -244,13 +249,12 @@ class TelemetryServer:
                 history.clear()
             return {"kind": "start", "runs": self.hub.runs, "info": item}
         if kind == "step":
-            record = item.to_json()
             m = item.memory
             for name, value in (("loss", item.loss), ("allocated", m.allocated), ("reserved", m.reserved),
                                 ("peak", m.peak)):
                 self._series[name].add(item.step, value)
-            self._last_step = record
-            return record
+            self._last_step = item
+            return item.to_json() if self._peers else None
         if kind == "event":
             record = item.to_json()
             self._events.append(clean(record))

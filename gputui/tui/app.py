@@ -81,6 +81,7 @@ class MainScreen(Screen[None]):
         self.query_one("#loss").border_title = "loss"
         self.query_one("#timeline").border_title = "events"
         self.query_one("#log").border_title = "script output"
+        self.app.show()  # type: ignore[attr-defined]  # what was pulled before: layout from the first frame
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.height < 30, "-short")
@@ -144,8 +145,11 @@ class GputuiApp(App[int]):
     def pull(self) -> None:
         if not self.view.apply(self.source.poll()) and not self.view.training:
             return
-        if not self.main.ready:  # pushed, not composed yet: the next pull renders
-            return
+        if self.main.ready:  # else pushed, not composed yet: its on_mount shows what was pulled
+            self.show()
+
+    def show(self) -> None:
+        """Render the view: every panel, which of them the run needs, and what follows from it."""
         with self.batch_update():
             for widget in self.main.query("#header, #memory, #loss, #remedies, #timeline, #log, #gpus"):
                 widget.refresh()

@@ -73,9 +73,17 @@ def plot(series: Sequence[Series], width: int, height: int, *, low: float | None
         else:
             axis = ""
         line = Text(axis[:gutter - 1].rjust(gutter - 1) + " " if gutter else "", style="dim")
-        for x in range(plot_width):
-            bits = cells[y][x]
-            line.append(chr(0x2800 + bits) if bits else " ", style=styles[y][x] or "")
+        # One span per run of cells in one style, not one per cell: rendering cost grows with spans.
+        run: list[str] = []
+        run_style = None
+        for bits, style in zip(cells[y], styles[y]):
+            if style != run_style and run:
+                line.append("".join(run), style=run_style or "")
+                run = []
+            run_style = style
+            run.append(chr(0x2800 + bits) if bits else " ")
+        if run:
+            line.append("".join(run), style=run_style or "")
         lines.append(line)
     return lines
 

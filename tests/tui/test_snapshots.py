@@ -10,6 +10,7 @@ import pytest
 from fakes import FrozenClock, cpu_run, cuda_run
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
+from gputui.tui.screens import OomScreen
 
 pytestmark = pytest.mark.usefixtures("utc")  # timeline clocks in UTC: stable snapshots
 
@@ -32,7 +33,16 @@ def test_oom_dialog(snap_compare):
     source.update.events.append(Event("oom", 150, {"phase": "forward", "micro_batch": 32, "waiting": True,
                                                    "message": "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 "
                                                               "has a total capacity of 79.19 GiB"}, t=1_795_000_150.0))
-    assert snap_compare(app(source), terminal_size=(100, 30))
+
+    async def dialog_shown(pilot):  # the first pull pushes it: wait for it, not for a lucky frame
+        for _ in range(100):
+            if isinstance(pilot.app.screen, OomScreen):
+                break
+            await pilot.pause(0.02)
+        await pilot.wait_for_scheduled_animations()
+        await pilot.pause()
+
+    assert snap_compare(app(source), terminal_size=(100, 30), run_before=dialog_shown)
 
 
 def test_help_screen(snap_compare):

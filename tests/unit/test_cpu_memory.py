@@ -84,3 +84,47 @@ def test_each_remedy_lowers_the_step_peak():
     _, ckpt = peak_of(checkpointing=True)
     _, bf16 = peak_of(amp="bf16")
     assert halved < 0.7 * base and ckpt < 0.7 * base and bf16 < 0.8 * base
+
+
+def tracked_step(t, model, opt, x, shape):
+    """One step as fit drives the tracker; returns the peak it reports."""
+    t.expect(shape)
+    t.start_step()
+    with t.saving():
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    t.end_micro_batch()
+    opt.step()
+    t.refresh_optimizer()
+    opt.zero_grad(set_to_none=True)
+    t.reset()
+    return t.counting, t.peak
+
+
+def test_without_a_budget_a_step_shaped_like_a_counted_one_reports_its_peak_uncounted(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("gputui.probes.cpu.time.monotonic", lambda: clock[0])
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters())
+    t = StateTracker(model, opt, None)
+    big, small = torch.randn(64, 32), torch.randn(16, 32)
+    tracked_step(t, model, opt, big, ("big",))  # the optimizer state appears: a new shape next time
+    counted, peak = tracked_step(t, model, opt, big, ("big",))
+    again, same = tracked_step(t, model, opt, big, ("big",))
+    assert counted and not again and same == peak
+    changed, lower = tracked_step(t, model, opt, small, ("small",))  # e.g. the micro-batch halved
+    assert changed and lower < peak
+    clock[0] += 0.5
+    assert tracked_step(t, model, opt, small, ("small",)) == (False, lower)
+    clock[0] += 1.0  # RECOUNT_S passed: counted again, whatever the shape
+    assert tracked_step(t, model, opt, small, ("small",)) == (True, lower)
+    t.close()
+
+
+def test_with_a_budget_every_step_counts(monkeypatch):
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = StateTracker(model, opt, 10**6)
+    x = torch.randn(4, 8)
+    assert [tracked_step(t, model, opt, x, ("same",))[0] for _ in range(3)] == [True, True, True]
+    t.close()

@@ -1,5 +1,6 @@
 """OOM recovery: the same batch is retried with half the micro-batch, and nothing is counted twice."""
 
+import random
 import threading
 import weakref
 
@@ -10,7 +11,7 @@ from torch.nn import functional as F
 
 import gputui
 from gputui.engine.loop import MAX_RETRIES
-from gputui.engine.oom import is_oom
+from gputui.engine.oom import Generators, is_oom
 from helpers import ConvNet, on_event, assert_same_weights, conv_batches, conv_step, plain_loop, twins
 
 
@@ -156,6 +157,45 @@ def test_rng_restored_so_a_retry_replays_the_same_dropout(hub):
     result = gputui.fit(model, batches, failing, sgd(model), auto_recover=False)
     assert len(calls) == 4 and result.micro_batch == 6  # retried with the same micro-batch
     assert_same_weights(model, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("first_draw", [1, 7])  # from the first step, or from an unchecked step on
+def test_a_retry_replays_pythons_random_once_the_step_is_seen_drawing_from_it(hub, first_draw):
+    """Python's generator is saved for the steps that draw from it: seen at the first steps and
+    every CHECK_EVERY-th; a step that does gets the same draws again when it is replayed."""
+    draws: list[tuple[int, float]] = []
+    calls = []
+
+    def step(model, batch):
+        calls.append(1)
+        n = len(calls)
+        loss = conv_step(model, batch)
+        if n >= first_draw:
+            draws.append((n, random.random()))
+        if n == 12:  # a step well after the generator was seen drawing (step 10 checks, at the latest)
+            raise torch.OutOfMemoryError("out of memory")
+        return loss
+
+    Generators.CHECK_EVERY, saved = 10, Generators.CHECK_EVERY
+    try:
+        model = ConvNet()
+        result = gputui.fit(model, conv_batches(14, 4), step, sgd(model))
+    finally:
+        Generators.CHECK_EVERY = saved
+    assert result.steps == 14 and result.ooms_recovered == 1
+    by_call = dict(draws)
+    assert by_call[13] == by_call[12]  # the replay drew what the failed attempt drew
+    assert by_call[14] != by_call[12]
+
+
+def test_a_step_that_never_draws_from_python_random_does_not_save_it():
+    gen = Generators(torch.device("cpu"))
+    saved = []
+    for _ in range(8):
+        saved.append(gen.save().python is not None)
+        torch.rand(3)  # torch's generator only
+        gen.completed()
+    assert saved == [True, True, True, False, False, False, False, False] and not gen.host_drawn
 
 
 def test_failed_attempt_memory_is_released_before_the_retry():
