@@ -59,6 +59,7 @@ class TelemetryServer:
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
+        self._waker = socket.socketpair()  # written by on_event: the server thread sends events at once
         self._peers: dict[socket.socket, _Peer] = {}
         # The run as the server has seen it, for clients that connect later.
         self._info: dict[str, Any] | None = None
@@ -79,6 +80,13 @@ class TelemetryServer:
 
     def on_event(self, event: Event) -> None:
         self._queue.append(("event", event))
+        self._wake()  # events answer controls: a client waits for them, not for the next tick
+
+    def _wake(self) -> None:
+        try:
+            self._waker[1].send(b"\0")
+        except (BlockingIOError, OSError):  # a wake-up is pending already, or the server is closing
+            pass
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self._queue.append(("end", summary))
@@ -97,6 +105,9 @@ class TelemetryServer:
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, None)
+        for end in self._waker:
+            end.setblocking(False)
+        self._selector.register(self._waker[0], selectors.EVENT_READ, self._waker)
         self.hub.add_sink(self)
         self._thread = threading.Thread(target=self._serve, name="gputui-telemetry", daemon=True)
         self._thread.start()
@@ -113,6 +124,8 @@ class TelemetryServer:
             self._drop(peer)
         if self._listener is not None:
             self._listener.close()
+        for end in self._waker:
+            end.close()
         try:
             os.unlink(self.path)
         except OSError:
@@ -138,6 +151,12 @@ class TelemetryServer:
         for key, mask in self._selector.select(timeout=TICK):
             if key.data is None:
                 self._accept()
+                continue
+            if key.data is self._waker:
+                try:
+                    self._waker[0].recv(4096)
+                except (BlockingIOError, OSError):
+                    pass
                 continue
             peer: _Peer = key.data
             if mask & selectors.EVENT_READ:
