@@ -1,0 +1,169 @@
+"""Run every benchmark and write RESULTS.md (the tables) and results.json (the raw figures).
+
+    python benchmarks/run.py            # all of them, a few minutes on a 2-core CPU
+    python benchmarks/run.py --quick    # a short version while developing (written to a temp dir)
+    python benchmarks/run.py --only overhead,latency --device cuda
+
+Each benchmark runs in its own process, so one that fails is reported and the rest still run.
+Only the project's own dependencies are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import harness
+
+BENCHMARKS = {
+    "overhead": "Overhead: plain loop, gputui.fit headless, the TUI",
+    "latency": "Control latency",
+    "recovery": "OOM recovery",
+    "remedies": "Memory saved per remedy",
+    "tool_costs": "Costs of the tool itself",
+}
+TIMEOUT = 1800
+
+
+def machine(device: str) -> dict[str, Any]:
+    import psutil
+    import torch
+
+    import gputui
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "-C", harness.ROOT, "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip() or None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu, "cores": os.cpu_count(), "ram": psutil.virtual_memory().total,
+        "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "gputui": gputui.__version__, "commit": commit,
+        "device": device, "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+    }
+
+
+def run_one(name: str, quick: bool, device: str, tmp: str) -> dict[str, Any]:
+    out = os.path.join(tmp, f"{name}.json")
+    argv = [sys.executable, os.path.join(harness.HERE, f"{name}.py"), "--json", out, "--device", device]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(argv + (["--quick"] if quick else []), stderr=subprocess.PIPE, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {TIMEOUT}s", "elapsed_s": time.monotonic() - t0}
+    if proc.returncode or not os.path.exists(out):
+        return {"error": f"exit code {proc.returncode}: {proc.stderr.strip()[-3000:]}", "elapsed_s": time.monotonic() - t0}
+    with open(out) as f:
+        return {"result": json.load(f), "elapsed_s": time.monotonic() - t0}
+
+
+def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
+    """The sentence the README quotes, built from the figures."""
+    from gputui.units import format_bytes
+
+    where = f"On a {m['cores']}-core {m['cpu']}" + (f" with {m['gpu']}" if m["gpu"] else " with no GPU")
+    parts = []
+    oh = results.get("overhead", {}).get("result")
+    if oh and {"mlp", "gpt"} <= set(oh["workloads"]):
+        gpt, mlp = oh["workloads"]["gpt"], oh["workloads"]["mlp"]
+        ms = {k: w["step_ms"]["plain"].get("median") for k, w in (("gpt", gpt), ("mlp", mlp))}
+        step = {k: f" (a {v:.{0 if v >= 10 else 1}f} ms step)" if v else "" for k, v in ms.items()}
+        parts.append(
+            f"`gputui.fit` trained the small GPT of demos/gpt.py{step['gpt']} at {gpt['ratio']['fit']:.2f}x the "
+            f"samples per second of a plain PyTorch loop headless and {gpt['ratio']['tui']:.2f}x under the TUI, "
+            f"and the tiny MLP of demos/mlp.py{step['mlp']} at {mlp['ratio']['fit']:.2f}x and {mlp['ratio']['tui']:.2f}x")
+        free = oh["workloads"].get("mlp-1t")
+        if free:
+            parts[-1] += (f" (with a core left free for the TUI, torch on one thread: {free['ratio']['fit']:.2f}x and "
+                          f"{free['ratio']['tui']:.2f}x)")
+    lat = results.get("latency", {}).get("result")
+    if lat:
+        worst = max(w["steps"]["max"] for w in lat["workloads"].values())
+        parts.append("every control was applied at the next step boundary" if worst <= 1
+                     else f"every control was applied within {worst:.0f} steps")
+    rec = results.get("recovery", {}).get("result")
+    if rec and rec["budget"]["oom_to_next_step_ms"].get("n"):
+        b, manual = rec["budget"], rec["manual"]
+        parts.append(f"an OOM was recovered to the next completed step in {b['oom_to_next_step_ms']['median']:.0f} ms, "
+                     f"and {manual['ooms']} OOMs in a row moved RSS by {format_bytes(manual['rss_growth_after_settle'])}")
+    if not parts:
+        return "No headline: the benchmarks that make it did not run."
+    return f"{where}, " + "; ".join(parts) + "."
+
+
+def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str) -> str:
+    from gputui.units import format_bytes
+
+    lines = ["# gputui benchmarks", ""]
+    if quick:
+        lines += ["**A quick run (`--quick`): fewer and shorter runs, not for quoting.**", ""]
+    lines += [
+        "Made by `python benchmarks/run.py`; the raw figures are in results.json beside this file.", "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {format_bytes(m['ram'])} RAM; {m['os']}",
+        f"- Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), gputui {m['gputui']} "
+        f"(commit {m['commit']})",
+        f"- device: {m['device']}" + (f" ({m['gpu']})" if m["gpu"] else " (no GPU here: every GPU figure says "
+                                     f"\"{harness.NOT_MEASURED}\")"),
+        f"- date: {m['date']}", "", "**Headline.** " + head, ""]
+    for name, title in BENCHMARKS.items():
+        if name not in results:
+            continue
+        r = results[name]
+        lines += [f"## {title}", ""]
+        module = importlib.import_module(name)
+        lines.append((module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "))
+        lines.append("")
+        if "error" in r:
+            lines += ["**Failed:**", "", "```", r["error"], "```", ""]
+        else:
+            lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s)_", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="short runs, written to a temp dir unless --out is given")
+    p.add_argument("--only", help=f"comma-separated, of: {', '.join(BENCHMARKS)}")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda where there is one)")
+    p.add_argument("--out", help="folder for RESULTS.md and results.json (default: benchmarks/)")
+    args = p.parse_args()
+    names = args.only.split(",") if args.only else list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    device = harness.device_of(args.device)
+    out = args.out or (tempfile.mkdtemp(prefix="gputui-bench-quick-") if args.quick else harness.HERE)
+    os.makedirs(out, exist_ok=True)
+    m = machine(device)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gputui-bench-") as tmp:
+        for name in names:
+            print(f"== {name}", file=sys.stderr, flush=True)
+            results[name] = run_one(name, args.quick, device, tmp)
+            if "error" in results[name]:
+                print(f"   failed: {results[name]['error'][-500:]}", file=sys.stderr)
+    head = headline(results, m)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"machine": m, "quick": args.quick, "headline": head, "results": results}, f, indent=1)
+    with open(os.path.join(out, "RESULTS.md"), "w") as f:
+        f.write(markdown(results, m, args.quick, head))
+    print(f"{head}\nwrote {os.path.join(out, 'RESULTS.md')} and results.json", file=sys.stderr)
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

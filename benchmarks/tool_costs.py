@@ -1,0 +1,212 @@
+"""What gputui itself costs: CLI start, attaching to a job, an attached TUI's CPU, the socket server.
+
+A headless job (the tiny MLP through `gputui.fit`, as `python train.py` runs it) trains in the
+background for the attach figures. Nothing here imports torch: the attach side must not need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import harness
+
+FULL = {"runs": 10, "cpu_s": 10.0, "samples": 2000}
+QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300}
+PUBLISH_HZ = 500  # a 2 ms step
+
+READER = """
+import sys
+from gputui.telemetry.client import Connection
+with Connection(sys.argv[1], timeout=None) as conn:
+    steps = 0
+    while (record := conn.read()) is not None:
+        steps += record["kind"] == "step"
+print(steps)
+"""
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    return time.perf_counter() - t0, proc
+
+
+def help_start(runs: int, env: dict[str, str]) -> dict[str, Any]:
+    times = []
+    for _ in range(runs):
+        seconds, proc = timed([*harness.gputui_cmd(), "--help"], env)
+        if proc.returncode or "usage: gputui" not in proc.stdout:
+            raise RuntimeError(f"gputui --help failed: {proc.stderr[-500:]}")
+        times.append(1e3 * seconds)
+    check = ("import sys\nfrom gputui.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('torch', 'textual', 'psutil') if m in sys.modules))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
+                                       timeout=60).stdout.strip().splitlines()[-1].replace("'", '"'))
+    return {"ms": harness.summary(times), "heavy_modules_loaded": loaded, "torch_imported": "torch" in loaded}
+
+
+def first_render(path: str, pid: int) -> float:
+    """Seconds from making a RemoteSource to the app's first screen showing the job's step."""
+    from gputui.telemetry.client import Mirror
+    from gputui.tui.app import GputuiApp
+    from gputui.tui.remote import RemoteSource
+
+    async def go() -> float:
+        t0 = time.perf_counter()
+        mirror = Mirror(path, pid).start()
+        try:
+            app = GputuiApp(RemoteSource(mirror, control=False), script="", refresh=4)
+            app.view.remote = True
+            async with app.run_test(size=(120, 40)) as pilot:
+                while app.view.latest is None:
+                    await pilot.pause(0.005)
+                await pilot.pause()  # the refresh that pull() asked for is painted
+                return time.perf_counter() - t0
+        finally:
+            mirror.stop()
+
+    return asyncio.run(go())
+
+
+def attach_tui(pid: int, refresh: float, seconds: float, env: dict[str, str]) -> dict[str, Any]:
+    """`gputui attach PID --refresh HZ` in a pseudo-terminal: time to the job on screen, then CPU use."""
+    import psutil
+
+    t0 = time.perf_counter()
+    child = harness.PtyChild([*harness.gputui_cmd(), "attach", str(pid), "--refresh", str(refresh)], env)
+    try:
+        if not child.wait_for(lambda: f"pid {pid}".encode() in child.output, 30):
+            raise RuntimeError(f"the attach TUI never showed the job: {child.text()[-1000:]}")
+        shown = time.perf_counter() - t0
+        child.wait_for(lambda: False, 1.0)  # settled: the first history and layout are behind it
+        proc = psutil.Process(child.pid)
+        before, w0 = proc.cpu_times(), time.perf_counter()
+        child.wait_for(lambda: False, seconds)  # read the screen meanwhile, as a terminal does
+        after, w1 = proc.cpu_times(), time.perf_counter()
+    finally:
+        child.stop(b"q")
+    used = (after.user - before.user) + (after.system - before.system)
+    return {"refresh_hz": refresh, "first_screen_s": shown, "cpu_pct": 100 * used / (w1 - w0),
+            "cpu_s": used, "wall_s": w1 - w0}
+
+
+def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str, str]) -> dict[str, Any]:
+    """hub.publish() time on the training thread, and the server thread's CPU per sample."""
+    import psutil
+
+    from gputui.telemetry.hub import Hub
+    from gputui.telemetry.server import TelemetryServer
+
+    hub = Hub()
+    server = TelemetryServer(hub, path=os.path.join(tmp, f"cost-{clients}.sock")).start()
+    readers = [subprocess.Popen([sys.executable, "-c", READER, server.path], env=env, stdout=subprocess.PIPE,
+                                text=True, start_new_session=True) for _ in range(clients)]
+    try:
+        harness.wait_until(lambda: server.clients == clients, 30)
+        hub.start({"pid": os.getpid(), "argv": ["bench"], "device": "cpu", "device_name": "CPU"})
+        thread = next(t for t in psutil.Process().threads() if t.id == server._thread.native_id)
+        cpu0 = thread.user_time + thread.system_time
+        times, period, next_t = [], 1 / PUBLISH_HZ, time.perf_counter()
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            hub.publish(sample)
+            times.append(time.perf_counter() - t0)
+            next_t += period
+            time.sleep(max(0.0, next_t - time.perf_counter()))
+        time.sleep(3 * 0.05)  # the server's last ticks
+        thread = next(t for t in psutil.Process().threads() if t.id == server._thread.native_id)
+        cpu = thread.user_time + thread.system_time - cpu0
+    finally:
+        server.close()
+        received = []
+        for reader in readers:
+            try:
+                out, _ = reader.communicate(timeout=30)
+                received.append(int(out.strip() or 0))
+            except (subprocess.TimeoutExpired, ValueError):
+                harness.kill_tree(reader.pid)
+                reader.wait()
+                received.append(None)
+    us = [1e6 * t for t in times]
+    return {"clients": clients, "samples": samples, "publish_us": harness.summary(us),
+            "publish_us_p99": sorted(us)[int(0.99 * len(us))], "server_cpu_us_per_sample": 1e6 * cpu / samples,
+            "received": received}
+
+
+def run(quick: bool, device: str) -> dict[str, Any]:
+    config = QUICK if quick else FULL
+    out: dict[str, Any] = {}
+    with harness.scratch() as tmp:
+        env = harness.child_env(tmp)
+        os.environ["XDG_RUNTIME_DIR"] = env["XDG_RUNTIME_DIR"]  # this process finds the job's socket there
+        from gputui.telemetry.client import Connection
+        from gputui.telemetry.paths import socket_path
+        from gputui.telemetry.sample import StepSample
+
+        out["help"] = help_start(config["runs"], env)
+        print(f"tool costs: gputui --help {out['help']['ms']['median']:.0f} ms", file=sys.stderr)
+        job = [sys.executable, os.path.join(harness.HERE, "workloads.py"), "--model", "mlp", "--loop", "fit",
+               "--steps", str(10**7), "--warmup", "0", "--out", os.path.join(tmp, "job.json")]
+        with harness.background(job, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+            path = socket_path(proc.pid)
+
+            def latest() -> Any:
+                if not os.path.exists(path):
+                    return None
+                with Connection(path) as conn:
+                    return conn.welcome().latest
+
+            record = harness.wait_until(latest, 60, 0.05)
+            sample = StepSample.from_json(record)
+            attach = []
+            for _ in range(config["runs"]):
+                seconds, done = timed([*harness.gputui_cmd(), "attach", str(proc.pid), "--json"], env)
+                if done.returncode or json.loads(done.stdout)["kind"] != "step":
+                    raise RuntimeError(f"gputui attach --json failed: {done.stderr[-500:]}")
+                attach.append(1e3 * seconds)
+            out["attach_json_ms"] = harness.summary(attach)
+            out["first_render_ms"] = harness.summary([1e3 * first_render(path, proc.pid)
+                                                      for _ in range(max(2, config["runs"] // 2))])
+            out["attach_tui"] = [attach_tui(proc.pid, hz, config["cpu_s"], env) for hz in (4, 10)]
+            print(f"tool costs: attach TUI CPU {[round(a['cpu_pct'], 1) for a in out['attach_tui']]} %", file=sys.stderr)
+        out["server"] = [server_cost(n, config["samples"], sample, tmp, env) for n in (0, 1, 4)]
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    h = r["help"]
+    lines = [
+        "| what | time: median (min-max) |", "| --- | --- |",
+        f"| `gputui --help` (process start to exit) | {harness.spread(h['ms'])} ms; torch imported: "
+        f"{'**yes**' if h['torch_imported'] else 'no'} (loaded of torch, textual, psutil: {', '.join(h['heavy_modules_loaded']) or 'none'}) |",
+        f"| `gputui attach PID --json` (process start to exit, the job's latest step printed) | "
+        f"{harness.spread(r['attach_json_ms'])} ms |",
+        f"| TUI first render of a job (`RemoteSource` in `App.run_test()`, 4 Hz: connect, first pull with a step, paint) | "
+        f"{harness.spread(r['first_render_ms'])} ms |"]
+    for a in r["attach_tui"]:
+        lines.append(f"| `gputui attach PID --refresh {a['refresh_hz']:g}` in a pseudo-terminal: start to the job on screen | "
+                     f"{a['first_screen_s'] * 1e3:.0f} ms |")
+    lines += ["", "CPU of an attached TUI client (its process's user + system time while the job trains):", "",
+              "| refresh | CPU (% of one core) | measured over |", "| --- | --- | --- |"]
+    for a in r["attach_tui"]:
+        lines.append(f"| {a['refresh_hz']:g} Hz | {a['cpu_pct']:.1f}% | {a['wall_s']:.1f} s |")
+    lines += ["", f"Telemetry server, samples published at {PUBLISH_HZ} Hz (a 2 ms step): `hub.publish()` on the "
+              "training thread (the server's sink only appends to a deque), and the server thread's CPU per sample "
+              "(serializing once, writing to every client).", "",
+              "| clients | publish: median (min-max) | publish p99 | server thread CPU per sample | samples received |",
+              "| --- | --- | --- | --- | --- |"]
+    for s in r["server"]:
+        got = ", ".join(str(x) for x in s["received"]) or "-"
+        lines.append(f"| {s['clients']} | {harness.spread(s['publish_us'])} us | {harness.fmt(s['publish_us_p99'])} us | "
+                     f"{harness.fmt(s['server_cpu_us_per_sample'])} us | {got} of {s['samples']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    harness.main(run, __doc__)
