@@ -13,6 +13,7 @@ import time
 from typing import Any, TextIO
 
 from .telemetry.client import Connection, Welcome, wait_for_answer
+from .telemetry.controls import ACTIONS
 from .telemetry.describe import describe
 from .telemetry.paths import Job, find_jobs, pid_alive, socket_dir, socket_path
 from .telemetry.protocol import ProtocolError
@@ -123,19 +124,12 @@ def attach_json(job: Job, out: TextIO) -> int:
     return 0
 
 
-# ctl words -> (action, value); a value of ... means "the next word, one of these"
-_CTL: dict[str, tuple[str, Any]] = {
-    "halve-batch": ("halve_batch", None),
-    "double-batch": ("double_batch", None),
-    "amp": ("set_amp", {"off": "off", "bf16": "bf16", "fp16": "fp16"}),
-    "checkpointing": ("set_checkpointing", {"on": True, "off": False}),
-    "auto-recover": ("set_auto_recover", {"on": True, "off": False}),
-    "free-cache": ("free_cache", None),
-    "snapshot": ("snapshot", None),
-    "top-tensors": ("top_tensors", None),
-    "pause": ("pause", None),
-    "resume": ("resume", None),
-    "stop": ("stop", None),
+# ctl words -> (action, value words -> values): each control action, its word without "set_"
+_CTL: dict[str, tuple[str, dict[str, Any] | None]] = {
+    action.removeprefix("set_").replace("_", "-"): (
+        action, None if allowed is None else {"on": True, "off": False} if allowed == (True, False)
+        else {str(v): v for v in allowed})
+    for action, allowed in ACTIONS.items()
 }
 CTL_ACTIONS = ", ".join(f"{word} {'|'.join(v[1])}" if isinstance(v[1], dict) else word for word, v in _CTL.items())
 

@@ -24,7 +24,7 @@ from ..probes import snapshot
 from ..probes.cpu import StateTracker, state_tensors
 from ..probes.device import for_device
 from ..probes.host import HOST_INTERVAL, read_host
-from ..probes.tensors import top_tensors
+from ..probes.tensors import top_training_tensors
 from ..telemetry import hub as hubs
 from ..telemetry.controls import REMEDIES, Control
 from ..telemetry.jsonl import MetricsFile
@@ -358,7 +358,7 @@ class _Trainer:
                 return refuse("memory_summary() is a CUDA allocator report")
             self._emit("memory_summary", text=torch.cuda.memory_summary(self.device), **meta)
         elif action == "top_tensors":
-            self._emit("top_tensors", **self._top_tensors(), **meta)
+            self._emit("top_tensors", **top_training_tensors(list(self.model.parameters()), self.optimizer), **meta)
         elif action == "stop":
             self.stop_reason = "requested"
         return True
@@ -373,8 +373,8 @@ class _Trainer:
         retries = 0
         while True:
             if self.tracker is not None:  # what this step saves for backward depends on these alone
-                self.tracker.expect((self._micro_batch(), self.precision.mode, self.checkpointing.enabled,
-                                     shapes(batch)))
+                self.tracker.start_step((self._micro_batch(), self.precision.mode, self.checkpointing.enabled,
+                                         shapes(batch)))
             self.probe.start_step()
             oom = self._attempt(batch, self._baseline)
             if oom is None:
@@ -505,18 +505,8 @@ class _Trainer:
 
     # -- telemetry --------------------------------------------------------------------------
     def _snapshot(self, reason: str, meta: dict[str, Any]) -> None:
-        try:
-            self._emit("snapshot_saved", **snapshot.dump(self.snapshot_dir, self.device, step=self.steps,
-                                                         reason=reason), **meta)
-        except OSError as exc:
-            self._emit("control_refused", action="snapshot", reason=f"cannot write the snapshot: {exc}", **meta)
-        if not snapshot.recording():  # the first one shows only the present: record from now on
-            snapshot.start_history()
-
-    def _top_tensors(self) -> dict[str, Any]:
-        params = list(self.model.parameters())
-        return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
-                           optimizer_state=state_tensors(self.optimizer))
+        name, details = snapshot.take(self.snapshot_dir, self.device, step=self.steps, reason=reason)
+        self._emit(name, **details, **meta)
 
     def _watch_thrashing(self, retries: int | None) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step

@@ -22,10 +22,10 @@ import torch.utils.data.dataloader as dataloader_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..probes import snapshot
-from ..probes.cpu import StateTracker, state_tensors
+from ..probes.cpu import StateTracker, unpack
 from ..probes.device import Probe, for_device
 from ..probes.host import HOST_INTERVAL, read_host
-from ..probes.tensors import top_tensors
+from ..probes.tensors import top_training_tensors
 from ..telemetry.controls import Control
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
@@ -60,10 +60,8 @@ class Observer:
         self._rate = Rate()
         self._host: Any = None
         self._host_t = 0.0
-        self._events: list[Event] = []
         self._started = False
         self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
-        self.diagnosis: dict[str, Any] | None = None
 
     # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
     def on_start(self, info: dict[str, Any]) -> None:
@@ -144,7 +142,7 @@ class Observer:
         torch.nn.Module.zero_grad = zero_grad(original_zero[1])
         self.hub.add_sink(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, unpack):
                 yield self
         finally:
             torch.autograd.backward = original_backward
@@ -160,11 +158,11 @@ class Observer:
 
     # -- what the hooks see ----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.tracker is not None and not self.fitting:
-            if not self._backwards and self.amp == "off":
-                self._note_autocast(t)
-            return self.tracker.pack(t)
-        return t
+        if self.fitting:
+            return t
+        if not self._backwards and self.amp == "off":
+            self._note_autocast(t)
+        return self.tracker.pack(t) if self.tracker is not None else t
 
     def _note_autocast(self, t: torch.Tensor) -> None:
         device = t.device.type
@@ -195,7 +193,7 @@ class Observer:
         self.tracker = StateTracker(params, optimizer, self.budget) \
             if device.type == "cpu" or self.budget is not None else None
         self.probe = for_device(device, self.tracker)
-        self.probe.start_step()
+        self._start_step()
 
     def _start(self) -> None:
         """At the first step of the script's own loop (a fit script never gets here)."""
@@ -232,10 +230,16 @@ class Observer:
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
+        self._unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
         self._publish(batch, accumulation)
+        self._start_step()
+        self._boundary()
+
+    def _start_step(self) -> None:
         assert self.probe is not None
         self.probe.start_step()
-        self._boundary()
+        if self.tracker is not None:
+            self.tracker.start_step()
 
     def _publish(self, batch: int, accumulation: int) -> None:
         assert self.probe is not None
@@ -262,7 +266,6 @@ class Observer:
         if control is not None:
             details.update(control.answer())
         event = Event(name, self.steps, details)
-        self._events.append(event)
         self.hub.emit(event)
 
     def _apply(self, control: Control) -> None:
@@ -271,14 +274,14 @@ class Observer:
         if action == "free_cache":
             self._emit("cache_freed", control, **self.probe.free_cache())
         elif action == "top_tensors":
-            self._emit("top_tensors", control, **self._top())
+            self._emit("top_tensors", control, **top_training_tensors(self._params(), self.optimizer))
         elif action in ("snapshot", "memory_summary"):
             reason = snapshot.unavailable(device)
             if reason:
                 self._emit("control_refused", control, action=action, value=None, reason=reason)
             elif action == "snapshot":
-                self._emit("snapshot_saved", control, **snapshot.dump("gputui-snapshots", device, step=self.steps,
-                                                                      reason="requested"))
+                name, details = snapshot.take("gputui-snapshots", device, step=self.steps, reason="requested")
+                self._emit(name, control, **details)
             else:
                 self._emit("memory_summary", control, text=torch.cuda.memory_summary(device))
         elif action == "pause" and not self.paused:
@@ -296,11 +299,6 @@ class Observer:
             reason = NEEDS_FIT if action not in ("pause", "resume") else f"already {'paused' if self.paused else 'running'}"
             self._emit("control_refused", control, action=action, value=control.value, reason=reason)
 
-    def _top(self) -> dict[str, Any]:
-        params = self._params()
-        return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
-                           optimizer_state=state_tensors(self.optimizer) if self.optimizer else [])
-
     # -- the end ---------------------------------------------------------------------------------------
     @staticmethod
     def is_oom(exc: BaseException) -> bool:
@@ -312,14 +310,13 @@ class Observer:
         where = _user_frame(exc)
         phase = self.phase or self.failed_in or "forward"
         memory = self.probe.read() if self.probe is not None else None
-        top = self._top() if self.probe is not None else {"rows": []}
+        top = top_training_tensors(self._params(), self.optimizer) if self.probe is not None else {"rows": []}
         details: dict[str, Any] = {
             "diagnosis": True, "phase": phase, "where": where, "message": str(exc).strip().splitlines()[0],
             "memory": memory.to_json() if memory else None, "top": top["rows"][:8],
             "remedies": _remedies(phase, memory), "recovered": False,
         }
         self._emit("oom", **details)
-        self.diagnosis = details
         return details
 
     def finish(self, error: str | None) -> None:
@@ -329,10 +326,6 @@ class Observer:
                       "loss": self.loss, "stopped": None, "amp": self.amp, "checkpointing": False,
                       "ooms_recovered": 0, "elapsed_s": round(time.time() - self.hub.info["started"], 3)
                       if self.hub.info else 0.0, "error": error})
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _user_frame(exc: BaseException) -> str:

@@ -68,7 +68,6 @@ class StateTracker:
         self._saved: set[int] = set(self._param_keys)
         self.peak = 0
         self.counting = True  # the step under way counts its saved activations
-        self._expected: Hashable | None = None  # the next step's shape, if the loop said
         self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
         self._started = 0.0
         self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
@@ -104,14 +103,9 @@ class StateTracker:
         )
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # Called for every tensor autograd saves: storage_key() inlined, the size read only when new.
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):
-            storage, ptr = None, id(t)
+        """The saved-tensors pack hook: count `t`'s storage once."""
+        ptr, size = storage_key(t)
         if ptr not in self._saved:
-            size = storage.nbytes() if storage is not None else t.numel() * t.element_size()
             self._saved.add(ptr)
             self.activations += size
             self._grow("forward", size)
@@ -147,7 +141,7 @@ class StateTracker:
         """Around forward: counts each tensor autograd saves for backward (if this step counts)."""
         if not self.counting:
             return _NOT_COUNTING
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
     def end_micro_batch(self) -> None:
         """After backward: its gradients are all there (counted now unless hooks saw each arrive, the
@@ -176,14 +170,11 @@ class StateTracker:
         self._free_activations()
         self.sync_grads()
 
-    def expect(self, shape: Hashable) -> None:
-        """What the next step's saved activations depend on (the loop knows; see the module doc)."""
-        self._expected = shape
-
-    def start_step(self) -> None:
-        """A step (or a retry of one) begins: decide whether it counts its activations."""
-        now, expected, self._expected = time.monotonic(), self._expected, None
-        shape = None if expected is None else (expected, self._optimizer_entries)
+    def start_step(self, shape: Hashable | None = None) -> None:
+        """A step (or a retry of one) begins; `shape`: what its saved activations depend on, if the
+        caller knows (see the module doc). Decides whether this step counts them."""
+        now = time.monotonic()
+        shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted
         self.counting = (self.budget is not None or shape is None or shape != last_shape
                          or now - last_start >= RECOUNT_S)
@@ -218,7 +209,7 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 _NOT_COUNTING = contextlib.nullcontext()
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -231,7 +222,7 @@ class CpuProbe:
         self.tracker = tracker
 
     def start_step(self) -> None:
-        self.tracker.start_step()
+        """Nothing to reset: the tracker's step is started by whoever drives it."""
 
     def allocated(self) -> int:
         return self.tracker.total

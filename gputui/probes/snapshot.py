@@ -46,3 +46,14 @@ def dump(folder: str, device: torch.device, *, step: int, reason: str) -> dict[s
         f.write(torch.cuda.memory_summary(device))
     os.replace(text_path + ".tmp", text_path)
     return {"path": pickle_path, "summary_path": text_path, "history": _recording, "reason": reason}
+
+
+def take(folder: str, device: torch.device, *, step: int, reason: str) -> tuple[str, dict[str, Any]]:
+    """Dump a snapshot for a request or an OOM: the event that answers it (saved, or refused when it
+    cannot be written). From then on allocations are recorded: the first snapshot shows only the present."""
+    try:
+        event = "snapshot_saved", dump(folder, device, step=step, reason=reason)
+    except OSError as exc:
+        event = "control_refused", {"action": "snapshot", "reason": f"cannot write the snapshot: {exc}"}
+    start_history()
+    return event

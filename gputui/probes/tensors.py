@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .cpu import storage_key
+from .cpu import state_tensors, storage_key
 
 _CHUNK = 20_000
 """Objects checked between two looks at the clock."""
@@ -61,6 +61,12 @@ def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[t
         "complete": complete,
         "elapsed_s": round(time.monotonic() - start, 4),
     }
+
+
+def top_training_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """top_tensors() with the training state named: the parameters, their gradients, the optimizer's state."""
+    return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
+                       optimizer_state=state_tensors(optimizer) if optimizer is not None else [])
 
 
 def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:

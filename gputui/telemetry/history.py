@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from statistics import fmean
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+from .sample import StepSample
 
 
 class History:
@@ -56,3 +58,38 @@ class History:
         """Start from a history received from elsewhere (a job being attached to)."""
         self.steps, self.values, self.stride, self._pending = list(steps), list(values), stride, []
         self._last = self.steps[-1] if self.steps else -1
+
+
+class RunSeries:
+    """The series a run's charts draw, a point a step: the loss (squeezed by mean) and allocated,
+    reserved and peak memory (by max). One place for them: the job's server keeps the run's for
+    clients that attach later, and every screen keeps its own."""
+
+    def __init__(self) -> None:
+        self.loss = History()
+        self.allocated = History(reduce=max)
+        self.reserved = History(reduce=max)
+        self.peak = History(reduce=max)
+
+    def _named(self) -> dict[str, History]:
+        return {"loss": self.loss, "allocated": self.allocated, "reserved": self.reserved, "peak": self.peak}
+
+    def add(self, sample: StepSample) -> None:
+        m = sample.memory
+        self.loss.add(sample.step, sample.loss)
+        self.allocated.add(sample.step, m.allocated)
+        self.reserved.add(sample.step, m.reserved)
+        self.peak.add(sample.step, m.peak)
+
+    def clear(self) -> None:
+        for history in self._named().values():
+            history.clear()
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        return {name: {"steps": h.steps, "values": h.values, "stride": h.stride} for name, h in self._named().items()}
+
+    def load(self, series: dict[str, tuple[list[int], list[float], int]]) -> None:
+        """Start from series received from a job (name -> steps, values, stride); unknown names are ignored."""
+        for name, history in self._named().items():
+            if name in series:
+                history.load(*series[name])

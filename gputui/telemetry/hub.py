@@ -51,7 +51,6 @@ class Hub:
         self._published = 0  # samples ever published: a reader's cursor counts against it
         self._emitted = 0
         self._sinks: list[Sink] = []
-        self.server: Any = None  # the TelemetryServer serving this hub, if any
         self.gpu_poller: Any = None  # an NvmlPoller once someone needs GPU readings: latest() -> GpuReading
         self.info: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None

@@ -63,8 +63,8 @@ class Job:
     path: str
 
 
-def find_jobs(*, clean: bool = True) -> list[Job]:
-    """The sockets in the folder whose process is alive; with `clean`, stale ones are removed.
+def find_jobs() -> list[Job]:
+    """The sockets in the folder whose process is alive; stale ones are removed.
 
     A socket is stale when its process is gone (killed with SIGKILL: no chance to remove it)."""
     folder = socket_dir()
@@ -80,7 +80,7 @@ def find_jobs(*, clean: bool = True) -> list[Job]:
         path = os.path.join(folder, name)
         if pid_alive(int(stem)):
             jobs.append(Job(int(stem), path))
-        elif clean:
+        else:
             try:
                 os.unlink(path)
             except OSError:

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .history import History
+from .history import RunSeries
 from .hub import Hub
 from .paths import UnsafeDirectory, find_jobs, peer_uid, private_dir, socket_path
 from .protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client
@@ -35,10 +35,6 @@ TICK = 0.05
 
 RECENT_EVENTS = 200
 """Events a new client receives as the past."""
-
-SERIES = {"loss": False, "allocated": True, "reserved": True, "peak": True}
-"""History series sent to a new client: name -> squeezed by max (memory) rather than mean."""
-
 
 @dataclass
 class _Peer:
@@ -66,7 +62,7 @@ class TelemetryServer:
         self._summary: dict[str, Any] | None = None
         self._last_step: StepSample | None = None  # as an object: encoded only when a client wants it
         self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
-        self._series = {name: History(reduce=max) if peaks else History() for name, peaks in SERIES.items()}
+        self._series = RunSeries()
         self._gpus: Any = None
         self._gpus_at = 0.0
         self.started = time.time()
@@ -95,7 +91,7 @@ class TelemetryServer:
     def start(self) -> TelemetryServer:
         """Bind and serve; OSError or UnsafeDirectory if the socket cannot be made safely."""
         private_dir()
-        find_jobs(clean=True)  # sockets of jobs killed with SIGKILL: they could not remove their own
+        find_jobs()  # removes the sockets of jobs killed with SIGKILL: they could not remove their own
         if os.path.exists(self.path):  # ours by name: a dead process with our pid left it
             os.unlink(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -190,14 +186,13 @@ class TelemetryServer:
         """What a new client gets before the live records: who, the run so far, the recent past."""
         hello = {"kind": "hello", "pid": os.getpid(), "argv": list(sys.argv), "server_started": self.started,
                  "runs": self.hub.runs, "info": self._info, "summary": self._summary, "controllable": True}
-        series = {name: {"steps": h.steps, "values": h.values, "stride": h.stride} for name, h in self._series.items()}
-        records = [hello, {"kind": "history", "series": series}, *self._events]
+        records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
         if self._last_step is not None:
-            records.append(self._last_step.to_json())
+            records.append(clean(self._last_step.to_json()))
         if self._gpus is not None:
             records.append(self._gpus)
         records.append({"kind": "live"})
-        return [clean(r) for r in records]
+        return records
 
     def _read(self, peer: _Peer) -> None:
         try:
@@ -253,33 +248,29 @@ class TelemetryServer:
             record = self._record(kind, item)
             if record is None:
                 continue
-            line = encode(clean(record))
+            line = encode(record)
             for peer in list(self._peers.values()):
                 peer.outbox += line
 
     def _record(self, kind: str, item: Any) -> dict[str, Any] | None:
-        """Fold a record into the server's view of the run; returns it as sent, or None for a step
+        """Fold a record into the server's view of the run; returns it as sent (cleaned), or None for a step
         nobody is connected to see (serializing a step costs this thread ~100 us, holding the GIL
         the training thread needs: benchmarks/tool_costs.py)."""
         if kind == "start":
             self._info, self._summary, self._last_step = item, None, None
             self._events.clear()
-            for history in self._series.values():
-                history.clear()
-            return {"kind": "start", "runs": self.hub.runs, "info": item}
+            self._series.clear()
+            return clean({"kind": "start", "runs": self.hub.runs, "info": item})
         if kind == "step":
-            m = item.memory
-            for name, value in (("loss", item.loss), ("allocated", m.allocated), ("reserved", m.reserved),
-                                ("peak", m.peak)):
-                self._series[name].add(item.step, value)
+            self._series.add(item)
             self._last_step = item
-            return item.to_json() if self._peers else None
+            return clean(item.to_json()) if self._peers else None
         if kind == "event":
-            record = item.to_json()
-            self._events.append(clean(record))
+            record = clean(item.to_json())
+            self._events.append(record)
             return record
         self._summary = item
-        return {"kind": "end", "summary": item}
+        return clean({"kind": "end", "summary": item})
 
     def _broadcast_gpus(self) -> None:
         poller = self.hub.gpu_poller
@@ -290,8 +281,8 @@ class TelemetryServer:
         reading = poller.latest()
         if reading is None or (self._gpus is not None and reading.t == self._gpus.get("t")):
             return
-        self._gpus = reading.to_json()
-        line = encode(clean(self._gpus))
+        self._gpus = clean(reading.to_json())
+        line = encode(self._gpus)
         for peer in list(self._peers.values()):
             peer.outbox += line
 
@@ -334,6 +325,5 @@ def serve(hub: Hub) -> TelemetryServer | None:
     except (OSError, UnsafeDirectory) as exc:
         sys.stderr.write(f"gputui: attach disabled (cannot serve {server.path}): {exc}\n")
         return None
-    hub.server = server
     atexit.register(server.close)
     return server

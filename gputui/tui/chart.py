@@ -7,6 +7,7 @@ and tests read its output without an app.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Callable, Sequence
 
 from rich.text import Text
@@ -74,16 +75,8 @@ def plot(series: Sequence[Series], width: int, height: int, *, low: float | None
             axis = ""
         line = Text(axis[:gutter - 1].rjust(gutter - 1) + " " if gutter else "", style="dim")
         # One span per run of cells in one style, not one per cell: rendering cost grows with spans.
-        run: list[str] = []
-        run_style = None
-        for bits, style in zip(cells[y], styles[y]):
-            if style != run_style and run:
-                line.append("".join(run), style=run_style or "")
-                run = []
-            run_style = style
-            run.append(chr(0x2800 + bits) if bits else " ")
-        if run:
-            line.append("".join(run), style=run_style or "")
+        for style, run in groupby(zip(cells[y], styles[y]), key=lambda cell: cell[1]):
+            line.append("".join(chr(0x2800 + bits) if bits else " " for bits, _ in run), style=style or "")
         lines.append(line)
     return lines
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 from ..telemetry.controls import AMP_MODES
 from ..telemetry.describe import describe
-from ..telemetry.history import History
+from ..telemetry.history import RunSeries
 from ..telemetry.hub import Hub
 from ..telemetry.sample import Event, GpuReading, StepSample
 
@@ -136,10 +136,7 @@ class RunView:
     first: StepSample | None = None
     gpus: GpuReading | None = None
     runs: int = 0
-    loss: History = field(default_factory=History)
-    allocated: History = field(default_factory=lambda: History(reduce=max))
-    reserved: History = field(default_factory=lambda: History(reduce=max))
-    peak: History = field(default_factory=lambda: History(reduce=max))
+    series: RunSeries = field(default_factory=RunSeries)
     timeline: deque[Entry] = field(default_factory=lambda: deque(maxlen=500))
     pending: dict[int, str] = field(default_factory=dict)
     paused: bool = False
@@ -173,11 +170,7 @@ class RunView:
             if update.reset:  # the job replays its recent events: start the timeline over too
                 self.timeline.clear()
             self._new_run(update.runs)
-            for name, (steps, values, stride) in (update.history or {}).items():
-                history = {"loss": self.loss, "allocated": self.allocated, "reserved": self.reserved,
-                           "peak": self.peak}.get(name)
-                if history is not None:
-                    history.load(steps, values, stride)
+            self.series.load(update.history or {})
             changed = True
         if update.info is not None and update.info is not self.info:
             self.info = update.info
@@ -199,8 +192,7 @@ class RunView:
         self.runs = runs
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = None
         self.ooms = 0
-        for history in (self.loss, self.allocated, self.reserved, self.peak):
-            history.clear()
+        self.series.clear()
         self.pending.clear()
         self.paused = self.stopping = False
         self.started, self.ended = self.clock(), None
@@ -209,11 +201,7 @@ class RunView:
         if self.first is None:
             self.first = s
         self.latest = s
-        self.loss.add(s.step, s.loss)
-        m = s.memory
-        self.allocated.add(s.step, m.allocated)
-        self.reserved.add(s.step, m.reserved)
-        self.peak.add(s.step, m.peak)
+        self.series.add(s)
 
     def _event(self, e: Event) -> None:
         request = e.get("request_id")

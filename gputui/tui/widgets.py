@@ -113,11 +113,12 @@ class MemoryPanel(Panel):
             lines.append(Text(warning, style="bold red"))
         rows = height - len(lines) - 1
         if rows >= 2:
-            series = [Series(v.reserved.values, CACHED, peaks=True)] if len(v.reserved) else []
-            series += [Series(v.peak.values, "yellow", peaks=True), Series(v.allocated.values, ALLOCATED, peaks=True)]
-            top = m.capacity if m.capacity and m.capacity < 2 * max(v.peak.values or [0]) else None
+            h = v.series
+            series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
+            series += [Series(h.peak.values, "yellow", peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
+            top = m.capacity if m.capacity and m.capacity < 2 * max(h.peak.values or [0]) else None
             lines.extend(plot(series, width, rows, low=0, high=top, label=gib))
-            lines.append(axis(v.allocated.steps, width))
+            lines.append(axis(h.allocated.steps, width))
         return Group(*lines)
 
 
@@ -219,16 +220,16 @@ class LossPanel(Panel):
     def render(self) -> RenderableType:
         v = self.view
         width, height = self.content_size.width, self.content_size.height
-        if not len(v.loss):
+        if not len(v.series.loss):
             return Text("waiting for the first loss…", style="dim")
-        raw = v.loss.values
+        raw = v.series.loss.values
         smoothed = smooth(raw)
         best = min(range(len(raw)), key=raw.__getitem__)
         head = Text(no_wrap=True, overflow="ellipsis")
         latest = v.latest.loss if v.latest and v.latest.loss is not None else raw[-1]
         head.append(f"{latest:.4g}", style="bold")
         head.append(f"  smoothed {smoothed[-1]:.4g}", style="green")
-        head.append(f"  min {raw[best]:.4g} @ {v.loss.steps[best]}", style="dim")
+        head.append(f"  min {raw[best]:.4g} @ {v.series.loss.steps[best]}", style="dim")
         if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
             head.append(f"  from {v.latest.loss_source}", style="italic")
         rows = height - 2
@@ -238,7 +239,7 @@ class LossPanel(Panel):
             # run, so the part being trained now is not squashed flat (earlier points touch the top).
             high = max(raw[len(raw) // 10:]) if len(raw) >= 20 else None
             lines.extend(plot([Series(raw, "dim"), Series(smoothed, "bold green")], width, rows, high=high))
-            lines.append(axis(v.loss.steps, width))
+            lines.append(axis(v.series.loss.steps, width))
         return Group(*lines)
 
 

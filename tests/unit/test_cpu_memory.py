@@ -88,8 +88,7 @@ def test_each_remedy_lowers_the_step_peak():
 
 def tracked_step(t, model, opt, x, shape):
     """One step as fit drives the tracker; returns the peak it reports."""
-    t.expect(shape)
-    t.start_step()
+    t.start_step(shape)
     with t.saving():
         loss = model(x).pow(2).mean()
     loss.backward()
