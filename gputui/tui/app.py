@@ -198,13 +198,13 @@ class GputuiApp(App[int]):
                          f"unavailable: {reason}" if reason else k.help))
         return rows
 
-    def act(self, action: str) -> None:
+    async def act(self, action: str) -> None:
         """Run an action by name, or say why it cannot run now (the palette's way in)."""
         reason = self.why_not(action)
         if reason:
             self.notify(reason, severity="warning", timeout=4)
         else:
-            self.run_action(action)
+            await self.run_action(action)
 
     def send(self, action: str, value: Any = None, text: str | None = None) -> None:
         try:

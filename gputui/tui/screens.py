@@ -215,7 +215,7 @@ class LogScreen(Overlay):
     BINDINGS = [*Overlay.BINDINGS, Binding("l", "dismiss", "back", show=False)]
 
     def compose(self) -> ComposeResult:
-        yield RichLog(id="log", highlight=False, markup=False, wrap=True, max_lines=10_000)
+        yield RichLog(id="output", highlight=False, markup=False, wrap=True, max_lines=10_000)
         yield Footer()
 
     def __init__(self) -> None:

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from gputui.tui.screens import ConfirmQuit, FailureScreen, OomScreen, TopTensorsScreen
+from textual.command import CommandPalette
+from textual.widgets import RichLog
+
+from gputui.tui.screens import ConfirmQuit, FailureScreen, LogScreen, OomScreen, TopTensorsScreen
 from conftest import text, until
 
 
@@ -27,6 +30,33 @@ async def test_halve_key_reaches_the_engine_and_the_screen(make_app, hub):
         timeline = text(app, "#timeline")
         assert "✓ micro-batch 16 -> 8 (accumulation 2) · applied after step" in timeline
         assert timeline.index("✓ micro-batch") < timeline.index("requested")  # newest first
+
+
+async def test_palette_command_does_what_its_key_does(make_app, hub):
+    app = make_app(batch=16)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press("ctrl+p")
+        await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+        await pilot.press(*"halve")
+        await pilot.pause(0.3)  # the palette searches in a worker
+        await pilot.press("enter")
+        await until(pilot, lambda: "micro_batch_changed" in names(hub))
+        await until(pilot, lambda: "micro-batch 8 × 2 = 16" in text(app, "#remedies"))
+        assert "requested: halve micro-batch (16 -> 8)" in text(app, "#timeline")
+
+
+async def test_log_screen_shows_what_the_script_printed(make_app, hub):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot, app, hub)
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        log = app.screen.query_one(RichLog)
+        await until(pilot, lambda: any("script started" in line.text for line in log.lines))
+        assert log.display and log.region.height > 1  # on the screen, not merely written
+        await pilot.press("l")
+        assert not isinstance(app.screen, LogScreen)
 
 
 @pytest.mark.parametrize("key, event, shown", [
