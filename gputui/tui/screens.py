@@ -216,6 +216,7 @@ class LogScreen(Overlay):
 
     def compose(self) -> ComposeResult:
         yield RichLog(id="output", highlight=False, markup=False, wrap=True, max_lines=10_000)
+        yield Static(id="output-current")  # a line still being redrawn (a progress bar): it changes in place
         yield Footer()
 
     def __init__(self) -> None:
@@ -232,6 +233,10 @@ class LogScreen(Overlay):
         log = self.query_one(RichLog)
         for line in lines:
             log.write(line)
+        current = self.gapp.output.current
+        line = self.query_one("#output-current", Static)
+        line.display = bool(current)
+        line.update(Text(current, no_wrap=True, overflow="ellipsis"))
 
 
 class ConfirmQuit(ModalScreen[bool]):

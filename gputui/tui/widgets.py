@@ -307,12 +307,13 @@ class LogPanel(Panel):
     """The script's latest output lines (own-loop runs show it on the main screen)."""
 
     def render(self) -> RenderableType:
-        height = max(1, self.content_size.height)
-        lines, _ = self.gapp.output.since(max(0, self.gapp.output.total - height))
+        height, width = max(1, self.content_size.height), max(1, self.content_size.width)
+        lines = self.gapp.output.tail(height)
         if not lines:
             return Text("the script's output appears here", style="dim")
-        return Text("\n".join(line[-self.content_size.width:] if len(line) > self.content_size.width else line
-                              for line in lines), no_wrap=True, overflow="ellipsis")
+        # Each line from its start, wrapped as a terminal would; the newest rows at the bottom.
+        rows = [row for line in lines for row in Text(line).wrap(self.app.console, width, overflow="fold")]
+        return Text("\n").join(rows[-height:])
 
 
 class GpuLine(Panel):
