@@ -1,13 +1,14 @@
 """`gputui jobs`, `gputui attach --json` and `gputui ctl`: talking to running jobs without the TUI.
 
-No torch here: these start in a fraction of a second on a login node or in a tmux pane.
+No torch here: these start in a fraction of a second on a login node or in a tmux pane. Whatever
+the job at the other end does (closes early, stays silent, sends garbage), the user gets one
+line and exit code 1: every failure of the conversation becomes a JobError.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any, TextIO
@@ -15,13 +16,32 @@ from typing import Any, TextIO
 from .telemetry.client import Connection, Welcome, wait_for_answer
 from .telemetry.controls import ACTIONS
 from .telemetry.describe import describe
-from .telemetry.paths import Job, find_jobs, pid_alive, socket_dir, socket_path
+from .telemetry.paths import (ForeignPeer, Job, UnsafeDirectory, check_socket, existing_dir, find_jobs, pid_alive,
+                              socket_dir, socket_path)
 from .telemetry.protocol import ProtocolError
 from .telemetry.sample import Event
+
+ACK_WAIT = 5.0
+"""Seconds a job may take to acknowledge a control request."""
 
 
 class JobError(Exception):
     """A job cannot be found or reached; the message is the one line the user sees."""
+
+
+def _failed(job: Job, exc: Exception) -> JobError:
+    """What went wrong talking to `job`, as one line."""
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, ProtocolError):
+        reason = f"not a gputui job? {reason}"
+    return JobError(f"job {job.pid} ({job.path}): {reason}")
+
+
+def _jobs() -> list[Job]:
+    try:
+        return find_jobs()
+    except UnsafeDirectory as exc:
+        raise JobError(str(exc)) from None
 
 
 def resolve(target: str | None, *, err: TextIO = sys.stderr, choose: bool = False) -> Job:
@@ -31,15 +51,25 @@ def resolve(target: str | None, *, err: TextIO = sys.stderr, choose: bool = Fals
         if target.isdigit():
             pid = int(target)
             path = socket_path(pid)
-            if not os.path.exists(path):
+            try:
+                served = existing_dir() is not None and os.path.exists(path)
+            except UnsafeDirectory as exc:
+                raise JobError(str(exc)) from None
+            if not served:
                 alive = "is running but serves no gputui socket" if pid_alive(pid) else "is not running"
                 raise JobError(f"process {pid} {alive} (gputui jobs lists the jobs you can attach to)")
             return Job(pid, path)
-        if os.path.exists(target):
-            stem = os.path.basename(target).partition(".")[0]
-            return Job(int(stem) if stem.isdigit() else 0, target)
-        raise JobError(f"no such job or socket: {target}")
-    jobs = find_jobs()
+        try:
+            check_socket(target)
+        except FileNotFoundError:
+            raise JobError(f"no such job or socket: {target}") from None
+        except UnsafeDirectory as exc:
+            raise JobError(str(exc)) from None
+        except OSError as exc:
+            raise JobError(f"cannot use {target}: {exc.strerror or exc}") from None
+        stem = os.path.basename(target).partition(".")[0]
+        return Job(int(stem) if stem.isdigit() else 0, target)
+    jobs = _jobs()
     if not jobs:
         raise JobError(f"no running gputui jobs of yours (sockets live in {socket_dir()})")
     if len(jobs) == 1:
@@ -58,6 +88,8 @@ def resolve(target: str | None, *, err: TextIO = sys.stderr, choose: bool = Fals
 def connect(job: Job, *, control: bool = False, timeout: float = 5.0) -> Connection:
     try:
         return Connection(job.path, control=control, timeout=timeout)
+    except ForeignPeer as exc:
+        raise JobError(f"refusing {job.path}: {exc}") from None
     except PermissionError:
         raise JobError(f"cannot connect to {job.path}: permission denied (another user's job?)") from None
     except (ConnectionRefusedError, FileNotFoundError):
@@ -74,13 +106,17 @@ def _uptime(seconds: float) -> str:
 
 
 def row(job: Job) -> dict[str, Any]:
-    """One job as `gputui jobs` shows it (reading its welcome, at most a second)."""
+    """One job as `gputui jobs` shows it (reading its welcome, at most two seconds)."""
     try:
         with connect(job, timeout=1.0) as conn:
-            welcome = conn.welcome()
-    except (JobError, OSError, ProtocolError, ConnectionError) as exc:
-        return {"pid": job.pid, "socket": job.path, "error": str(exc), "summary": f"{job.pid}  not answering"}
-    return _row(job, welcome)
+            welcome = conn.welcome(timeout=2.0)
+    except JobError as exc:
+        error = str(exc)
+    except (OSError, ProtocolError) as exc:
+        error = str(_failed(job, exc))
+    else:
+        return _row(job, welcome)
+    return {"pid": job.pid, "socket": job.path, "error": error, "summary": f"{job.pid:>7}  not answering  {job.path}"}
 
 
 def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
@@ -94,31 +130,38 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     data = {"pid": job.pid, "script": os.path.basename(argv[0]), "args": argv[1:],
             "device": info.get("device"), "device_name": info.get("device_name"), "state": state,
             "step": latest.get("step"), "total_steps": info.get("total_steps"), "loss": latest.get("loss"),
-            "uptime_s": round(time.time() - hello.get("server_started", time.time()), 1), "socket": job.path}
+            "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1), "socket": job.path}
     step = "-" if data["step"] is None else f"{data['step']}" + (f"/{data['total_steps']}" if data["total_steps"] else "")
-    data["summary"] = (f"{job.pid:>7}  {data['script']:<16} {data['device'] or '-':<8} {state:<9} {step:>11}  "
-                       f"{_uptime(data['uptime_s']):>9}  {job.path}")
+    data["summary"] = (f"{job.pid:>7}  {data['script'][:40]:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
+                       f"{step:>11}  {_uptime(data['uptime_s']):>9}  {job.path}")
     return data
 
 
-def list_jobs(as_json: bool, out: TextIO) -> int:
-    rows = [row(job) for job in find_jobs()]
+def list_jobs(as_json: bool, out: TextIO, err: TextIO = sys.stderr) -> int:
+    """Every job, one row each; 1 (after listing the others, each failure one line on `err`) if
+    some job could not be read."""
+    rows = [row(job) for job in _jobs()]
     if as_json:
         out.write(json.dumps([{k: v for k, v in r.items() if k != "summary"} for r in rows], indent=2) + "\n")
-        return 0
-    if not rows:
+    elif not rows:
         out.write(f"no running gputui jobs of yours (sockets live in {socket_dir()})\n")
-        return 0
-    out.write(f"{'PID':>7}  {'SCRIPT':<16} {'DEVICE':<8} {'STATE':<9} {'STEP':>11}  {'UPTIME':>9}  SOCKET\n")
-    for r in rows:
-        out.write(r["summary"] + "\n")
-    return 0
+    else:
+        out.write(f"{'PID':>7}  {'SCRIPT':<16} {'DEVICE':<8} {'STATE':<9} {'STEP':>11}  {'UPTIME':>9}  SOCKET\n")
+        for r in rows:
+            out.write(r["summary"] + "\n")
+    failed = [r["error"] for r in rows if "error" in r]
+    for error in failed:
+        err.write(f"gputui: error: {error}\n")
+    return 1 if failed else 0
 
 
 def attach_json(job: Job, out: TextIO) -> int:
     """The latest sample (or, before the first step, who the job is) as one JSON document."""
     with connect(job) as conn:
-        welcome = conn.welcome()
+        try:
+            welcome = conn.welcome()
+        except (OSError, ProtocolError) as exc:
+            raise _failed(job, exc) from None
     record = welcome.latest or {"kind": "hello", **(welcome.hello or {})}
     out.write(json.dumps(record, indent=2) + "\n")
     return 0
@@ -151,22 +194,15 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
     """Send one control and say what the job applied; 0 applied, 1 refused or not applied in time."""
     action, value = parse_ctl(words)
     with connect(job, control=True) as conn:
-        conn.welcome()
-        ident = conn.request(action, value)
-        while (record := conn.read()) is not None:
-            if record["kind"] == "error" and record.get("id") == ident:
-                raise JobError(f"refused: {record.get('reason')}")
-            if record["kind"] == "ack" and record.get("id") == ident:
-                break
-        else:
-            raise JobError("the job closed the connection before answering")
-        if action == "stop":  # applied after the current step; the job then ends
-            out.write(f"job {job.pid}: stop requested; it stops after the current step\n")
-            return 0
         try:
-            answer = wait_for_answer(conn, record["request_id"], timeout)
-        except (OSError, socket.timeout):
-            answer = None
+            conn.welcome()
+            ack = _acked(conn, conn.request(action, value))
+            if action == "stop":  # applied after the current step; the job then ends
+                out.write(f"job {job.pid}: stop requested; it stops after the current step\n")
+                return 0
+            answer = wait_for_answer(conn, ack["request_id"], timeout)
+        except (OSError, ProtocolError) as exc:
+            raise _failed(job, exc) from None
     if answer is None:
         out.write(f"job {job.pid}: requested, not applied within {timeout:g} s (a long step, or paused "
                   "waiting elsewhere?); it applies at the next step boundary\n")
@@ -174,3 +210,21 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
     event = Event.from_json(answer)
     out.write(f"job {job.pid}: after step {event.step}: {describe(event)}\n")
     return 1 if event.name == "control_refused" else 0
+
+
+def _acked(conn: Connection, ident: int) -> dict[str, Any]:
+    """The job's ack of request `ident` (read past live records); JobError if refused or not in ACK_WAIT s."""
+    deadline = time.monotonic() + ACK_WAIT
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            record = conn.read()
+        except TimeoutError:
+            break
+        if record is None:
+            raise JobError("the job closed the connection before answering")
+        if record["kind"] == "error" and record.get("id") == ident:
+            raise JobError(f"refused: {' '.join(str(record.get('reason')).split())}")
+        if record["kind"] == "ack" and record.get("id") == ident and record.get("request_id") is not None:
+            return record
+    raise JobError(f"the job did not acknowledge the request within {ACK_WAIT:g} s")

@@ -4,6 +4,11 @@
 thread and replays what it receives into a local Hub, so the TUI reads a remote job exactly as
 it reads a local one; on a lost connection it retries every second, and tells apart a job
 that ended (its socket is gone) from one that is only unreachable.
+
+A client trusts no job blindly: the peer must run as the same user (paths.check_peer), every
+string arrives stripped of control characters (protocol.parse_server), and the fields the
+clients read are type-checked here, so a broken or fake job is a one-line error, never a
+traceback or a garbled terminal.
 """
 
 from __future__ import annotations
@@ -16,29 +21,58 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .describe import describe
 from .hub import Hub
-from .paths import pid_alive
+from .paths import ForeignPeer, check_peer, pid_alive
 from .protocol import MAX_SERVER_LINE, ProtocolError, encode, parse_server
 from .sample import Event, GpuReading, StepSample
+
+CONNECT_WAIT = 5.0
+"""Seconds a connection waits for room in a job's listen backlog (full while others connect)."""
+
+WELCOME_WAIT = 5.0
+"""Seconds a job may take to say who it is."""
+
+MAX_WELCOME = 10_000
+"""Records a welcome may hold (the server sends a few hundred): past it, not a gputui job."""
 
 
 class Connection:
     def __init__(self, path: str, *, control: bool = False, timeout: float | None = 5.0) -> None:
+        """Connect (waiting for room in a full backlog, CONNECT_WAIT s at most); ForeignPeer if the
+        job runs as another user, another OSError if it cannot be reached."""
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
+        self._timeout = timeout
+        self._ids = itertools.count(1)
         try:
-            self.sock.connect(path)
-        except OSError:
+            self._connect(CONNECT_WAIT if timeout is None else timeout)
+            check_peer(self.sock)
+            self.sock.settimeout(timeout)
+            self._file = self.sock.makefile("rb")
+            if control:
+                self.send({"kind": "hello", "control": True})
+        except BaseException:
             self.sock.close()
             raise
-        self._file = self.sock.makefile("rb")
-        self._ids = itertools.count(1)
-        if control:
-            self.send({"kind": "hello", "control": True})
+
+    def _connect(self, wait: float) -> None:
+        deadline, pause = time.monotonic() + wait, 0.005
+        self.sock.settimeout(wait)
+        while True:
+            try:
+                self.sock.connect(self.path)
+                return
+            except BlockingIOError:  # EAGAIN: the backlog is full; the job accepts them as it can
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the job did not accept the connection within {wait:g} s "
+                                       "(its backlog is full)") from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.1)
 
     def read(self) -> dict[str, Any] | None:
-        """The next record, or None at the end of the stream."""
+        """The next record (its fields checked: ProtocolError if not), or None at the end of the stream."""
         line = self._file.readline(MAX_SERVER_LINE + 1)
         if not line:
             return None
@@ -46,7 +80,7 @@ class Connection:
             if len(line) > MAX_SERVER_LINE:
                 raise ProtocolError("a record longer than the limit: not a gputui job?")
             return None  # cut off mid-line: the job went away
-        return parse_server(line)
+        return checked(parse_server(line))
 
     def send(self, record: dict[str, Any]) -> None:
         self.sock.sendall(encode(record))
@@ -57,15 +91,28 @@ class Connection:
         self.send({"kind": "control", "id": ident, "action": action, "value": value})
         return ident
 
-    def welcome(self) -> Welcome:
-        """Read everything up to the "live" marker: who the job is, and where it stands."""
-        welcome = Welcome()
-        while (record := self.read()) is not None:
-            kind = record["kind"]
-            if kind == "live":
+    def welcome(self, timeout: float = WELCOME_WAIT) -> Welcome:
+        """Read everything up to the "live" marker: who the job is, and where it stands.
+        TimeoutError if that takes over `timeout` s (a job that trickles records counts too)."""
+        welcome, deadline = Welcome(), time.monotonic() + timeout
+        for _ in range(MAX_WELCOME):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+            try:
+                record = self.read()
+            except socket.timeout:
+                break
+            if record is None:
+                raise ConnectionError("the job closed the connection before saying who it is")
+            if record["kind"] == "live":
+                self.sock.settimeout(self._timeout)
                 return welcome
             welcome.add(record)
-        raise ConnectionError("the job closed the connection before saying who it is")
+        else:
+            raise ProtocolError(f"over {MAX_WELCOME} records before the live ones: not a gputui job?")
+        raise TimeoutError(f"the job did not say who it is within {timeout:g} s")
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
@@ -109,6 +156,81 @@ class Welcome:
     @property
     def info(self) -> dict[str, Any]:
         return (self.hello or {}).get("info") or {}
+
+
+# What the clients read, by record kind: field -> accepted types (None is always accepted, and
+# a field not named here passes as it is). The TUI formats these fields; a wrong type would
+# raise there, far from the socket.
+_NUMBER = (int, float)
+_INFO = {"argv": list, "pid": int, "started": _NUMBER, "device": str, "device_name": str, "model": str,
+         "params": int, "trainable": int, "optimizer": str, "epochs": _NUMBER, "max_steps": int,
+         "steps_per_epoch": int, "total_steps": int, "micro_batch": int, "amp": str, "checkpointing": bool,
+         "checkpointing_unavailable": str, "checkpointing_how": str, "auto_recover": bool,
+         "memory_budget": _NUMBER, "mode": str, "needs_fit": str}
+_SUMMARY = {"steps": int, "epochs": _NUMBER, "samples": int, "micro_batch": int, "loss": _NUMBER, "stopped": str,
+            "amp": str, "checkpointing": bool, "ooms_recovered": int, "elapsed_s": _NUMBER, "error": str}
+_MEMORY = {"device": str, **{name: _NUMBER for name in (
+    "allocated", "reserved", "fragmented", "peak", "capacity", "rss", "params", "grads", "optimizer", "activations",
+    "alloc_retries", "ooms", "active", "device_free", "nvml_used", "nvml_device_used", "cached_free", "nvml_gap")}}
+_HOST = dict.fromkeys(("rss", "cpu_percent", "system_used", "system_total"), _NUMBER)
+_STEP = {"t": _NUMBER, "step": int, "epoch": int, "loss": _NUMBER, "batch_size": int, "micro_batch": int,
+         "accumulation": int, "amp": str, "checkpointing": bool, "device": str, "samples_per_s": _NUMBER,
+         "samples": int, "steps_per_s": _NUMBER, "loss_source": str, "memory": dict, "host": dict,
+         **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), _NUMBER)}
+_DEVICE = {"index": int, "uuid": str, "name": str, "utilization": _NUMBER, "memory_used": _NUMBER,
+           "memory_total": _NUMBER, "temperature": _NUMBER, "power": _NUMBER, "power_limit": _NUMBER,
+           "processes": list, "error": str}
+_PROCESS = {"pid": int, "gpu_memory": _NUMBER, "kind": str, "user": str, "command": str}
+_KINDS: dict[str, dict[str, Any]] = {
+    "hello": {"pid": int, "argv": list, "server_started": _NUMBER, "runs": int, "info": dict, "summary": dict,
+              "controllable": bool},
+    "start": {"runs": int, "info": dict},
+    "end": {"summary": dict},
+    "step": _STEP,
+    "event": {"name": str, "step": int, "t": _NUMBER},
+    "history": {"series": dict},
+    "gpus": {"t": _NUMBER, "driver": str, "status": str, "devices": list},
+    "ack": {"id": int, "request_id": int, "hello": bool, "control": bool},
+    "error": {"id": int, "reason": str},
+}
+
+
+def _fields(record: Any, types: dict[str, Any], where: str) -> None:
+    if not isinstance(record, dict):
+        raise ProtocolError(f"{where} is a {type(record).__name__}, not an object")
+    for name, accepted in types.items():
+        value = record.get(name)
+        if value is not None and (not isinstance(value, accepted) or isinstance(value, bool) and accepted is not bool):
+            raise ProtocolError(f"{where}: {name!r} is a {type(value).__name__}")
+
+
+def checked(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` if the fields the clients read have their types; ProtocolError saying which does not."""
+    kind = record["kind"]
+    _fields(record, _KINDS.get(kind, {}), f"a {kind} record")
+    for name, types in (("info", _INFO), ("summary", _SUMMARY), ("memory", _MEMORY), ("host", _HOST)):
+        if record.get(name) is not None:
+            _fields(record[name], types, f"a {kind} record's {name}")
+    for argv in (record.get("argv"), (record.get("info") or {}).get("argv")):
+        if not all(isinstance(arg, str) for arg in argv or ()):
+            raise ProtocolError(f"a {kind} record's argv holds a non-string")
+    if kind == "event":
+        try:
+            describe(Event.from_json(record))  # what the timeline, the progress line and ctl print
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise ProtocolError(f"an event the client cannot describe: {type(exc).__name__}") from None
+    elif kind == "history":
+        for name, series in (record.get("series") or {}).items():
+            _fields(series, {"steps": list, "values": list, "stride": int}, f"the history of {name}")
+            if not all(isinstance(x, int) for x in series.get("steps") or ()) or \
+                    not all(x is None or isinstance(x, _NUMBER) for x in series.get("values") or ()):
+                raise ProtocolError(f"the history of {name} holds a non-number")
+    elif kind == "gpus":
+        for device in record.get("devices") or ():
+            _fields(device, _DEVICE, "a GPU")
+            for process in device.get("processes") or ():
+                _fields(process, _PROCESS, "a GPU process")
+    return record
 
 
 class _Latest:
@@ -173,6 +295,9 @@ class Mirror:
         while not self._stop.is_set():
             try:
                 conn = Connection(self.path, control=self.control, timeout=None)
+            except ForeignPeer as exc:
+                self.ended, self.status = True, f"refused: {exc}"
+                return
             except OSError:
                 if not os.path.exists(self.path) or (self.pid is not None and not pid_alive(self.pid)):
                     self.ended = True
@@ -182,15 +307,18 @@ class Mirror:
                 self._stop.wait(self.retry)
                 continue
             self._conn = conn
+            status = "disconnected: reconnecting…"
             try:
                 self._receive(conn)
-            except (OSError, ProtocolError, ValueError, KeyError, TypeError):
+            except OSError:
                 pass
+            except (ProtocolError, ValueError, KeyError, TypeError) as exc:  # not what a gputui job sends
+                status = f"the job sent a malformed record ({type(exc).__name__}: {str(exc)[:120]}): reconnecting…"
             finally:
                 self._conn = None
                 conn.close()
             if not self._stop.is_set():
-                self.status = "disconnected: reconnecting…"
+                self.status = status
                 self._stop.wait(self.retry)
 
     def status_when_gone(self) -> str:

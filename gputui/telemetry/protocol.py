@@ -4,7 +4,8 @@ Server to client: hello (who the job is), history (the run so far, in bounded po
 start / step / event / end / gpus records as they happen, ack / error answers to a client's
 requests, and live (the history is over). Client to server: hello (optionally asking for
 control) and control requests. Client lines are small, bounded and checked field by field:
-nothing a client sends is ever evaluated or unpickled.
+nothing a client sends is ever evaluated or unpickled. Server lines are stripped of control
+characters (a fake or broken job must not drive the user's terminal) and bounded in depth.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from typing import Any
 
 from .controls import ACTIONS
+from .printable import printable
 from .sample import VERSION
 
 MAX_CLIENT_LINE = 4096
@@ -21,6 +23,9 @@ MAX_CLIENT_LINE = 4096
 
 MAX_SERVER_LINE = 8 * 2**20
 """Bytes a server line may take (the history line is the largest)."""
+
+MAX_DEPTH = 32
+"""Nesting a server record may have: the deepest real one (gpus: devices, processes) has 5."""
 
 CLIENT_KINDS = ("hello", "control")
 
@@ -40,10 +45,12 @@ def _object(line: bytes, limit: int) -> dict[str, Any]:
         data = json.loads(line)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
+    except RecursionError:  # e.g. 2000 "[": the parser recurses per level
+        raise ProtocolError("not JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError("a message must be a JSON object")
     if data.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {data.get('v')!r} (this side speaks {VERSION})")
+        raise ProtocolError(f"unsupported protocol version {repr(data.get('v'))[:40]} (this side speaks {VERSION})")
     if not isinstance(data.get("kind"), str):
         raise ProtocolError("a message needs a string 'kind'")
     return data
@@ -74,8 +81,23 @@ def parse_client(line: bytes) -> dict[str, Any]:
 
 
 def parse_server(line: bytes) -> dict[str, Any]:
-    """A server's line as a dict with a known version and a kind; ProtocolError otherwise."""
-    return _object(line, MAX_SERVER_LINE)
+    """A server's line as a dict with a known version and a kind, every string in it (keys too)
+    stripped of escape sequences and control characters; ProtocolError otherwise."""
+    return _printable(_object(line, MAX_SERVER_LINE), 0)
+
+
+def _printable(value: Any, depth: int) -> Any:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        if depth >= MAX_DEPTH:
+            raise ProtocolError(f"a record nested deeper than {MAX_DEPTH} levels")
+        return {printable(k): _printable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        if depth >= MAX_DEPTH:
+            raise ProtocolError(f"a record nested deeper than {MAX_DEPTH} levels")
+        return [_printable(v, depth + 1) for v in value]
+    return value
 
 
 def clean(value: Any) -> Any:

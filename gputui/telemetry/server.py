@@ -3,9 +3,11 @@
 A hub sink on the training thread only appends to a deque; one server thread does the rest:
 accepts, serializes each record once, fans it out into per-client buffers and writes what
 each socket takes. A client that falls more than MAX_PENDING behind is dropped (it missed
-what it missed; nothing is resent), so a stuck or hostile client costs the job nothing but
-a few megabytes. Only the owning user can connect (0700 folder, 0600 socket, and the peer's
-uid checked where the OS tells it); only a connection that asked for control may steer.
+what it missed; nothing is resent), and past MAX_BUFFERED for all clients together the one
+furthest behind goes first, so stuck or hostile clients cost the job a bounded few megabytes.
+Only the owning user can connect (0700 folder, 0600 socket, and the peer's uid checked where
+the OS tells it); only a connection that asked for control may steer, and only a few requests
+at a time (each may cost the training thread a step's worth of work).
 """
 
 from __future__ import annotations
@@ -30,6 +32,24 @@ from .sample import Event, StepSample
 MAX_PENDING = 8 * 2**20
 """Bytes waiting for one client before it counts as too slow and is dropped."""
 
+MAX_BUFFERED = 32 * 2**20
+"""Bytes waiting for all clients together; past it the client furthest behind is dropped first."""
+
+MAX_CLIENTS = 64
+"""Connections served at once; one more is told so and closed."""
+
+BACKLOG = 128
+"""Connections the kernel holds until the server thread accepts them (a client waits when full)."""
+
+MAX_ACCEPTS = 64
+"""Connections accepted in one turn, so a flood of them cannot starve the records."""
+
+MAX_CONTROLS_PER_CLIENT = 4
+"""Requests one connection may have waiting (queued, or applied but not yet answered)."""
+
+MAX_CONTROLS = 16
+"""Requests all connections together may have waiting: a `top_tensors` costs ~0.2 s of training."""
+
 TICK = 0.05
 """Seconds the server thread sleeps at most: the latency a record may take to leave."""
 
@@ -44,6 +64,7 @@ class _Peer:
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
     errors: int = 0
+    waiting: set[int] = field(default_factory=set)  # its requests the job has not answered yet
 
 
 class TelemetryServer:
@@ -65,6 +86,8 @@ class TelemetryServer:
         self._series = RunSeries()
         self._gpus: Any = None
         self._gpus_at = 0.0
+        self._welcome: bytes | None = None  # built on the first accept after the run changed, not per accept
+        self._waiting: set[int] = set()  # request ids, from every connection, not answered yet
         self.started = time.time()
 
     # -- the sink: the training thread only appends ---------------------------------------------
@@ -97,7 +120,7 @@ class TelemetryServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
         os.chmod(self.path, 0o600)
-        listener.listen(16)
+        listener.listen(BACKLOG)
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, None)
@@ -164,35 +187,57 @@ class TelemetryServer:
         for peer in list(self._peers.values()):
             if peer.outbox:
                 self._flush(peer)
+        self._cap_buffers()
+
+    def _cap_buffers(self) -> None:
+        """Past MAX_BUFFERED for all clients, drop the ones furthest behind until under it."""
+        total = sum(len(peer.outbox) for peer in self._peers.values())
+        for peer in sorted(self._peers.values(), key=lambda p: len(p.outbox), reverse=True):
+            if total <= MAX_BUFFERED:
+                return
+            total -= len(peer.outbox)
+            self._drop(peer)
 
     def _accept(self) -> None:
         assert self._listener is not None
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        cred = peer_uid(sock)
-        if cred is not None and cred[1] != os.getuid():
-            sock.close()  # another user: the folder's mode should have stopped them already
-            return
-        sock.setblocking(False)
-        peer = _Peer(sock, cred[0] if cred else None)
-        self._peers[sock] = peer
-        self._selector.register(sock, selectors.EVENT_READ, peer)
-        for record in self._welcome():
-            peer.outbox += encode(record)
+        for _ in range(MAX_ACCEPTS):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of file descriptors (the script's own): they wait in the backlog
+                return
+            cred = peer_uid(sock)
+            if cred is not None and cred[1] != os.getuid():
+                sock.close()  # another user: the folder's mode should have stopped them already
+                continue
+            sock.setblocking(False)
+            if len(self._peers) >= MAX_CLIENTS:
+                try:
+                    sock.send(encode({"kind": "error", "reason": f"the job serves {MAX_CLIENTS} clients already"}))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            peer = _Peer(sock, cred[0] if cred else None)
+            self._peers[sock] = peer
+            self._selector.register(sock, selectors.EVENT_READ, peer)
+            peer.outbox += self._welcome_bytes()
 
-    def _welcome(self) -> list[dict[str, Any]]:
-        """What a new client gets before the live records: who, the run so far, the recent past."""
-        hello = {"kind": "hello", "pid": os.getpid(), "argv": list(sys.argv), "server_started": self.started,
-                 "runs": self.hub.runs, "info": self._info, "summary": self._summary, "controllable": True}
-        records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
-        if self._last_step is not None:
-            records.append(clean(self._last_step.to_json()))
-        if self._gpus is not None:
-            records.append(self._gpus)
-        records.append({"kind": "live"})
-        return records
+    def _welcome_bytes(self) -> bytes:
+        """What a new client gets before the live records: who, the run so far, the recent past.
+        Built once per change of the run, so a flood of connections costs no serializing."""
+        if self._welcome is None:
+            hello = {"kind": "hello", "pid": os.getpid(), "argv": list(sys.argv), "server_started": self.started,
+                     "runs": self.hub.runs, "info": self._info, "summary": self._summary, "controllable": True}
+            records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
+            if self._last_step is not None:
+                records.append(clean(self._last_step.to_json()))
+            if self._gpus is not None:
+                records.append(self._gpus)
+            records.append({"kind": "live"})
+            self._welcome = b"".join(encode(record) for record in records)
+        return self._welcome
 
     def _read(self, peer: _Peer) -> None:
         try:
@@ -234,12 +279,21 @@ class TelemetryServer:
             peer.outbox += encode({"kind": "error", "id": ident,
                                    "reason": "watch-only connection: attach with --control to steer"})
             return
+        if len(peer.waiting) >= MAX_CONTROLS_PER_CLIENT or len(self._waiting) >= MAX_CONTROLS:
+            mine = len(peer.waiting) >= MAX_CONTROLS_PER_CLIENT
+            peer.outbox += encode({"kind": "error", "id": ident, "reason": (
+                f"{len(peer.waiting) if mine else len(self._waiting)} requests from "
+                f"{'this connection' if mine else 'attached clients'} are waiting for the job to apply them "
+                "(at its next step boundary): send this one when they are answered")})
+            return
         try:
             control = self.hub.controls.request(message["action"], message["value"],
                                                 source=f"attach pid {peer.pid}" if peer.pid else "attach")
         except ValueError as exc:
             peer.outbox += encode({"kind": "error", "id": ident, "reason": str(exc)})
             return
+        peer.waiting.add(control.id)
+        self._waiting.add(control.id)
         peer.outbox += encode({"kind": "ack", "id": ident, "request_id": control.id})
 
     def _broadcast_queue(self) -> None:
@@ -256,6 +310,9 @@ class TelemetryServer:
         """Fold a record into the server's view of the run; returns it as sent (cleaned), or None for a step
         nobody is connected to see (serializing a step costs this thread ~100 us, holding the GIL
         the training thread needs: benchmarks/tool_costs.py)."""
+        self._welcome = None
+        if kind in ("start", "end"):  # requests left unanswered (a stop has no answer) are over with the run
+            self._answered(set(self._waiting))
         if kind == "start":
             self._info, self._summary, self._last_step = item, None, None
             self._events.clear()
@@ -268,9 +325,16 @@ class TelemetryServer:
         if kind == "event":
             record = clean(item.to_json())
             self._events.append(record)
+            if record.get("request_id") in self._waiting:
+                self._answered({record["request_id"]})
             return record
         self._summary = item
         return clean({"kind": "end", "summary": item})
+
+    def _answered(self, ids: set[int]) -> None:
+        for peer in self._peers.values():
+            peer.waiting -= ids
+        self._waiting -= ids
 
     def _broadcast_gpus(self) -> None:
         poller = self.hub.gpu_poller
@@ -282,6 +346,7 @@ class TelemetryServer:
         if reading is None or (self._gpus is not None and reading.t == self._gpus.get("t")):
             return
         self._gpus = clean(reading.to_json())
+        self._welcome = None
         line = encode(self._gpus)
         for peer in list(self._peers.values()):
             peer.outbox += line

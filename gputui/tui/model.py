@@ -7,7 +7,6 @@ where the updates come from: the hub in this process (`gputui run`), later a soc
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -18,6 +17,7 @@ from ..telemetry.controls import AMP_MODES
 from ..telemetry.describe import describe
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import Hub
+from ..telemetry.printable import printable
 from ..telemetry.sample import Event, GpuReading, StepSample
 
 
@@ -94,18 +94,12 @@ class LocalSource:
         return self.hub.controls.request(action, value, source="tui").id
 
 
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"          # CSI: colours, cursor moves, erase line
-                      r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
-                      r"|\x1b[@-Z\\-_]"                        # other two-byte escapes
-                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")         # what is left of the controls, tab kept
-
-
 def visible(line: str) -> str:
     """What a terminal leaves of one line: the text after its last carriage return that has any
     (progress bars redraw themselves with "\\r"), without escape sequences or control bytes."""
     if "\r" in line:
         line = next((part for part in reversed(line.split("\r")) if part), "")
-    return _ESCAPES.sub("", line).expandtabs()
+    return printable(line).expandtabs()
 
 
 class OutputLog:

@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+from gputui.telemetry.client import Connection
+from gputui.telemetry.protocol import encode
+
 SCRIPT = """
 import sys, time
 import gputui, torch
@@ -115,7 +118,7 @@ def test_hostile_clients_cannot_stop_or_slow_the_job(env, job):
     path = socket_of(env, job.pid)
     clients = []
     for payload in (b"garbage\n" * 50, b'{"v": 1, "kind": "control", "id": 1, "action": "stop"}\n',
-                    b'{"v": 1, "kind": "hel', b"A" * 20_000, b"\xff" * 100 + b"\n"):
+                    b'{"v": 1, "kind": "hel', b"A" * 20_000, b"\xff" * 100 + b"\n", b"[" * 2000 + b"\n"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         s.sendall(payload)
@@ -127,8 +130,22 @@ def test_hostile_clients_cannot_stop_or_slow_the_job(env, job):
     done = gputui(env, "ctl", job.pid, "pause")
     assert done.returncode == 0 and "paused" in done.stdout, "and stay steerable"
     assert job.poll() is None, "a watch-only client's stop must not have stopped it"
+    with Connection(path, control=True) as flood:  # 50 heap walks asked at once: only a few are taken
+        flood.welcome()
+        flood.sock.sendall(b"".join(encode({"kind": "control", "id": i, "action": "top_tensors"}) for i in range(50)))
+        replies = []
+        while len(replies) < 50:
+            record = flood.read()
+            if record["kind"] in ("ack", "error") and "id" in record:
+                replies.append(record)
+    assert 1 <= sum(r["kind"] == "ack" for r in replies) <= 4
+    assert all("waiting for the job to apply them" in r["reason"] for r in replies if r["kind"] == "error")
     for s in clients:
         s.close()
+    assert gputui(env, "ctl", job.pid, "resume").returncode == 0
+    assert gputui(env, "ctl", job.pid, "stop").returncode == 0
+    _, err = job.communicate(timeout=30)
+    assert "telemetry server error" not in err and "Traceback" not in err, err
 
 
 def test_sigkill_leaves_a_stale_socket_that_jobs_cleans(env, job):

@@ -71,3 +71,29 @@ def test_encode_is_one_line_of_strict_json():
     assert raw.endswith(b"\n") and raw.count(b"\n") == 1
     data = parse_server(raw)
     assert data["v"] == 1 and data["loss"] is None and data["shape"] == [2, 3] and data["obj"].startswith("<class")
+
+
+def test_deep_nesting_is_a_protocol_error_not_a_recursion_error():
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_client(b"[" * 2000)  # 2000 bytes: under the line limit, past the parser's recursion limit
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_server(b'{"v": 1, "kind": "hello", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+
+
+def test_server_records_past_the_depth_limit_are_refused():
+    deep = b'{"v": 1, "kind": "step", "x": ' + b"[" * 40 + b"]" * 40 + b"}"
+    with pytest.raises(ProtocolError, match="deeper than 32"):
+        parse_server(deep)
+
+
+def test_server_strings_lose_escape_sequences_and_controls_keys_and_nested_values_too():
+    escapes = "\x1b[2J\x1b]0;t\x07\x9b31m\r\x00\x7f"
+    raw = json.dumps({"v": 1, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}],
+                      "n": 3}).encode()
+    assert parse_server(raw) == {"v": 1, "kind": "hello", "k": ["a", {"": "multi\nline\ttab"}], "n": 3}
+
+
+def test_a_version_error_quotes_at_most_a_few_characters():
+    with pytest.raises(ProtocolError) as caught:
+        parse_server(json.dumps({"v": "x" * 10_000, "kind": "hello"}).encode())
+    assert len(str(caught.value)) < 100

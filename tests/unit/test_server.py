@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from gputui.telemetry import protocol
 from gputui.telemetry import server as server_module
 from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
@@ -160,3 +161,165 @@ def test_mirror_replays_the_job_and_tells_when_it_ended(served):
     server.close()
     until(lambda: mirror.ended)
     assert mirror.status == "the job finished"
+
+
+def test_deeply_nested_json_is_refused_like_any_malformed_line(served, capfd):
+    hub, server = served
+    with Connection(server.path) as conn:
+        conn.welcome()
+        conn.sock.sendall(b"[" * 2000 + b"\n")  # under the 4 KiB line limit, past the JSON parser's recursion
+        assert conn.read()["reason"] == "not JSON: nested too deeply"
+        conn.send({"kind": "hello", "control": True})
+        assert conn.read() == {"v": 1, "kind": "ack", "hello": True, "control": True}, "and the server goes on"
+    assert "telemetry server error" not in capfd.readouterr().err
+
+
+def steering(path):
+    conn = Connection(path, control=True)
+    conn.welcome()
+    assert conn.read()["control"] is True
+    return conn
+
+
+def answers(conn, n):
+    return [conn.read() for _ in range(n)]
+
+
+def test_one_connection_may_have_only_a_few_requests_waiting(served):
+    hub, server = served
+    with steering(server.path) as conn:
+        for _ in range(6):
+            conn.request("top_tensors")  # each costs the training thread a walk of the heap
+        replies = answers(conn, 6)
+        assert [r["kind"] for r in replies] == ["ack"] * server_module.MAX_CONTROLS_PER_CLIENT + ["error"] * 2
+        assert "4 requests from this connection are waiting" in replies[-1]["reason"]
+        queued = hub.controls.drain()
+        assert len(queued) == 4
+        hub.emit(Event("top_tensors", 1, queued[0].answer()))  # one answered: room for one more
+        until(lambda: conn.request("top_tensors") and conn.read()["kind"] == "ack", timeout=5)
+
+
+def test_all_connections_together_have_a_bound_and_a_run_end_clears_it(served, monkeypatch):
+    hub, server = served
+    monkeypatch.setattr(server_module, "MAX_CONTROLS", 6)
+    first, second = steering(server.path), steering(server.path)
+    with first, second:
+        for _ in range(4):
+            first.request("snapshot")
+        assert [r["kind"] for r in answers(first, 4)] == ["ack"] * 4
+        for _ in range(3):
+            second.request("snapshot")
+        replies = answers(second, 3)
+        assert [r["kind"] for r in replies] == ["ack", "ack", "error"]
+        assert "6 requests from attached clients are waiting" in replies[-1]["reason"]
+        hub.end({"steps": 1, "error": None})  # e.g. a stop: never answered by an event, but the run is over
+        until(lambda: second.read()["kind"] == "end")
+        second.request("snapshot")
+        assert second.read()["kind"] == "ack"
+
+
+def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, monkeypatch):
+    hub, server = served
+    monkeypatch.setattr(server_module, "MAX_BUFFERED", 2 * 2**20)
+    line = len(protocol.encode(protocol.clean(sample(1).to_json())))
+
+    def stuck():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(server.path)
+        return s
+
+    def publish(first, megabytes):
+        last = first + int(megabytes * 2**20 / line)
+        for step in range(first, last):
+            hub.publish(sample(step))
+            if step % 50 == 0:
+                time.sleep(0.002)  # paced, so the reading client keeps up
+        until(lambda: seen and seen[-1] == last - 1, timeout=20)
+        return last
+
+    seen = []
+    with Connection(server.path) as good:
+        good.welcome()
+        reader = threading.Thread(target=lambda: seen.extend(r["step"] for r in iter(good.read, None)
+                                                             if r["kind"] == "step"), daemon=True)
+        reader.start()
+        early = stuck()
+        until(lambda: server.clients == 2)
+        step = publish(1, 1.5)  # the early client is ~1.5 MiB behind
+        late = stuck()
+        until(lambda: server.clients == 3)
+        publish(step, 1.0)  # together past 2 MiB: the early one goes, the late one (~1 MiB behind) stays
+        until(lambda: server.clients == 2, what=lambda: server.clients)
+        early.settimeout(10)
+        while early.recv(65536):  # what the kernel held, then the end
+            pass
+        late.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the late client is still served: no end of stream
+            while late.recv(2**20):
+                pass
+        assert seen == list(range(1, seen[-1] + 1)), "the reading client lost nothing"
+        early.close()
+        late.close()
+        good.sock.shutdown(socket.SHUT_RDWR)
+        reader.join(10)
+
+
+def test_the_welcome_is_built_once_per_change_not_per_connection(served, monkeypatch):
+    hub, server = served
+    hub.start({"device": "cpu", "argv": ["train.py"]})
+    hub.publish(sample(1))
+    built = []
+    to_json = server._series.to_json
+    monkeypatch.setattr(server._series, "to_json", lambda: built.append(1) or to_json())
+    time.sleep(0.2)
+    for _ in range(20):
+        with Connection(server.path) as conn:
+            assert conn.welcome().latest["step"] == 1
+    assert len(built) == 1
+    hub.publish(sample(2))
+    time.sleep(0.2)
+    with Connection(server.path) as conn:
+        assert conn.welcome().latest["step"] == 2, "a change rebuilds it"
+    assert len(built) == 2
+
+
+def test_one_client_too_many_is_told_and_closed(served, monkeypatch):
+    hub, server = served
+    monkeypatch.setattr(server_module, "MAX_CLIENTS", 2)
+    with Connection(server.path) as a, Connection(server.path) as b:
+        a.welcome()
+        b.welcome()
+        with Connection(server.path) as c:
+            assert c.read() == {"v": 1, "kind": "error", "reason": "the job serves 2 clients already"}
+            assert c.read() is None
+
+
+def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(runtime_dir / "fake.sock")
+    listener.bind(path)
+    listener.listen(4)
+    hello = b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
+    bad = b'{"v": 1, "kind": "step", "t": 1.0, "step": "x", "epoch": 0, "loss": 1.0, "batch_size": 8, ' \
+          b'"micro_batch": 8, "accumulation": 1, "amp": "off", "checkpointing": false, "samples_per_s": null, ' \
+          b'"memory": {"device": "cpu"}}\n'
+
+    def serve():
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+        conn.sendall(hello + b'{"v": 1, "kind": "live"}\n' + bad)
+        time.sleep(5)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    mirror = Mirror(path, None, retry=30).start()
+    try:
+        until(lambda: mirror.status and "malformed" in mirror.status, what=lambda: mirror.status)
+        assert "'step' is a str" in mirror.status
+        assert mirror.hub.latest() is None, "nothing of the wrong type reaches the view"
+    finally:
+        mirror.stop()
+        listener.close()
+        thread.join(10)
