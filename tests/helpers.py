@@ -12,12 +12,13 @@ from torch.nn import functional as F
 
 
 class ConvNet(nn.Module):
-    """A conv net with repeated residual blocks in an nn.Sequential (checkpointing finds them)."""
+    """A conv net with repeated residual blocks in an nn.Sequential (checkpointing finds them);
+    `batch_norm`: BatchNorm in the blocks, whose running statistics change in training."""
 
-    def __init__(self, channels: int = 8, blocks: int = 3, classes: int = 5) -> None:
+    def __init__(self, channels: int = 8, blocks: int = 3, classes: int = 5, batch_norm: bool = False) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.body = nn.Sequential(*(Residual(channels) for _ in range(blocks)))
+        self.body = nn.Sequential(*(Residual(channels, batch_norm) for _ in range(blocks)))
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,10 +27,10 @@ class ConvNet(nn.Module):
 
 
 class Residual(nn.Module):
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, batch_norm: bool = False) -> None:
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-        self.norm = nn.GroupNorm(2, channels)
+        self.norm = nn.BatchNorm2d(channels) if batch_norm else nn.GroupNorm(2, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.norm(self.conv(x)))
@@ -88,6 +89,37 @@ def plain_loop(model: nn.Module, batches, step, make_optimizer, epochs: int = 1,
             if sched:
                 sched.step()
     return model
+
+
+def micro_batches_used(result, initial: int) -> list[int]:
+    """The micro-batch each step of a fit trained with, from its oom_recovered events (an OOM
+    in step i is reported at step i-1)."""
+    sizes, size = [], initial
+    changes = {e.step: e["micro_batch_to"] for e in result.events if e.name == "oom_recovered"}
+    for i in range(result.steps):
+        size = changes.get(i, size)
+        sizes.append(size)
+    return sizes
+
+
+def plain_accumulating_loop(model: nn.Module, batches, step, optimizer, micro_batches) -> nn.Module:
+    """The reference for a fit whose micro-batch changed: each batch (a tuple of tensors) in the
+    given micro-batches, each loss weighted by its share, one optimizer step a batch, no OOM."""
+    for batch, size in zip(batches, micro_batches, strict=True):
+        total = len(batch[0])
+        pieces = list(zip(*(t.split(size) for t in batch)))
+        for piece in pieces:
+            loss = step(model, piece)
+            (loss * (len(piece[0]) / total) if len(pieces) > 1 else loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
+    """Running statistics (running_mean, running_var, num_batches_tracked) equal to the last bit."""
+    for (name, x), y in zip(a.named_buffers(), b.buffers(), strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def twins(factory, seed: int = 0):

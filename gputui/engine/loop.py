@@ -34,7 +34,7 @@ from ..telemetry.sample import Event, StepSample
 from ..telemetry.server import serve
 from ..units import format_bytes, parse_size
 from .microbatch import batch_size, shapes, split, to_device
-from .oom import Generators, OomInfo, drop, is_oom
+from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
 
@@ -163,6 +163,7 @@ class _Trainer:
         if checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(self.device)
+        self.buffers = Buffers(model)
         # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
         self.tracker = (StateTracker(model, optimizer, self.budget)
                         if self.device.type == "cpu" or self.budget is not None else None)
@@ -223,6 +224,7 @@ class _Trainer:
             if error is not None:
                 self._emit("error", message=error)
             restore_signals()
+            self.generators.close()
             self.checkpointing.remove()
             if self.tracker:
                 self.tracker.close()
@@ -282,8 +284,9 @@ class _Trainer:
         return applied
 
     def _stop(self) -> str | None:
-        if self._signal and not self.stop_reason:
-            self.stop_reason = self._signal
+        signalled = self._signal or self.hub.stop_signal  # the hub's: set where fit is not the main thread
+        if signalled and not self.stop_reason:
+            self.stop_reason = signalled
         return self.stop_reason
 
     def _refuse(self, control: Control, reason: str) -> bool:
@@ -369,22 +372,24 @@ class _Trainer:
     # -- one global batch -------------------------------------------------------------------
     def _train(self, batch: Any) -> bool:
         """Train on one global batch, retrying it after OOMs. False: stopped before it was trained."""
-        rng = self.generators.save()
+        self.generators.start()
+        self.buffers.save()
         retries = 0
-        while True:
-            if self.tracker is not None:  # what this step saves for backward depends on these alone
-                self.tracker.start_step((self._micro_batch(), self.precision.mode, self.checkpointing.enabled,
-                                         shapes(batch)))
-            self.probe.start_step()
-            oom = self._attempt(batch, self._baseline)
-            if oom is None:
-                self.generators.completed()
-                return True
-            self._drop_step()
-            rng.restore()
-            retries += 1
-            if not self._recover(oom, retries):
-                return False
+        try:
+            while True:
+                if self.tracker is not None:  # what this step saves for backward depends on these alone
+                    self.tracker.start_step((self._micro_batch(), self.precision.mode,
+                                             self.checkpointing.enabled, shapes(batch)))
+                self.probe.start_step()
+                oom = self._attempt(batch, self._baseline)
+                if oom is None:
+                    return True
+                self._drop_step()
+                retries += 1
+                if not self._recover(oom, retries):
+                    return False
+        finally:
+            self.generators.end()
 
     def _attempt(self, batch: Any, allocated_before: int) -> OomInfo | None:
         total = self.batch_size
@@ -452,8 +457,11 @@ class _Trainer:
                            "torch.no_grad(), or are all parameters frozen?")
 
     def _drop_step(self) -> None:
-        """After an OOM: no gradient, no cached block, no counted byte of the failed attempt survives."""
+        """After an OOM: no gradient, no cached block, no counted byte, no draw from a generator and no
+        running-statistics update of the failed attempt survives."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.generators.restore()
+        self.buffers.restore()
         if self.tracker is not None:
             self.tracker.reset()
         self.probe.free_cache()
@@ -595,7 +603,7 @@ class _Trainer:
     # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------
     def _install_signals(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
-            return lambda: None  # the TUI's worker thread: the app handles keys and signals
+            return lambda: None  # the TUI's worker thread: the app handles keys, the runner signals
         names = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
         previous = {sig: signal.getsignal(sig) for sig in names}
 

@@ -1,10 +1,12 @@
-"""Recognising an out-of-memory error, and putting the RNG back so a retry replays the same step."""
+"""Recognising an out-of-memory error, and putting back what a failed attempt changed (the
+generators, the running statistics) so a retry replays the same step."""
 
 from __future__ import annotations
 
 import random
 import sys
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,71 +50,238 @@ class OomInfo:
     allocated_before: int
 
 
-class RngState:
-    """The generators a step may draw from, as they were at its start: torch's (CPU and the
-    device) always; Python's `random` and NumPy's global one when `host` (see Generators)."""
+class _HostGenerator:
+    """A process-wide generator a step may draw from: Python's `random`, NumPy's global one.
 
-    def __init__(self, device: torch.device, host: bool = True) -> None:
-        self.device = device
-        self.torch = torch.get_rng_state()
-        self.accel: Any = None
-        if device.type == "cuda":
-            self.accel = torch.cuda.get_rng_state(device)
-        elif device.type == "mps":
-            self.accel = torch.mps.get_rng_state()
-        self.python = random.getstate() if host else None
-        numpy = sys.modules.get("numpy") if host else None
-        self.numpy = numpy.random.get_state() if numpy is not None else None
+    Saving one costs 8-70 us (Python's state is 625 ints, NumPy's get_state() ~30 us) and most
+    steps never draw from them (data pipelines do, between steps), so a step saves it lazily: a
+    trap saves the state on the step's first draw, exactly as it was before it, and disarms
+    itself. It stays armed from step to step while nothing draws (arming costs a microsecond); a
+    draw between steps only disarms it, and the next start() arms it again. A draw the trap
+    cannot see (through a function bound before it: `from random import random`) is caught by
+    comparing the whole state around the first steps and every CHECK_EVERY-th: from then on
+    every step saves it at its start.
+    """
+
+    def __init__(self) -> None:
+        self.every_step = False
+        self.armed = False
+        self.saved: Any = None  # the state before this step's first draw (or at its start)
+        self._stepping = False
+        self._fired = False
+        self._at_start: Any = None  # the state at the start of a checked step
+
+    def get(self) -> Any:
+        raise NotImplementedError
+
+    def set(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def same(self, a: Any, b: Any) -> bool:
+        return a == b
+
+    def _arm(self) -> None:
+        raise NotImplementedError
+
+    def _disarm(self) -> None:
+        raise NotImplementedError
+
+    def arm(self) -> None:
+        if not self.armed:
+            self._arm()
+            self.armed = True
+
+    def disarm(self) -> None:
+        if self.armed:
+            self._disarm()
+            self.armed = False
+
+    def fire(self) -> None:
+        """The trap saw a draw: the first of the step saves the state."""
+        if self.armed:
+            self.disarm()
+            if self._stepping:
+                self._fired = True
+                if self.saved is None:
+                    self.saved = self.get()
+
+    def start(self, check: bool) -> None:
+        self._stepping = True
+        self._fired = False
+        self.saved = self._at_start = self.get() if self.every_step or check else None
+        if not self.every_step:
+            self.arm()
 
     def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(self.accel, self.device)
-        elif self.device.type == "mps":
-            torch.mps.set_rng_state(self.accel)
-        if self.python is not None:
-            random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
+        """Before a replay: the state the step started with (nothing drawn yet: the trap is still armed)."""
+        if self.saved is not None:
+            self.set(self.saved)
+
+    def end(self) -> None:
+        self._stepping = False
+        if self._at_start is not None and not self.every_step and not self._fired \
+                and not self.same(self._at_start, self.get()):
+            self.every_step = True
+            self.disarm()
+        self.saved = self._at_start = None
+
+
+class _PythonRandom(_HostGenerator):
+    """Python's global generator, `random._inst`: every draw (randint, choice, shuffle, gauss...)
+    goes through its random() or getrandbits(), so while armed its class is a subclass whose two
+    methods fire the trap. The module's `random` and `getrandbits` were bound to the C methods
+    at import, past the class: they are rebound while armed. gauss() may return the value it
+    kept from its last call without drawing: gauss_next is kept from the step's start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inst = inst = random._inst  # type: ignore[attr-defined]
+        self.plain = plain = type(inst)
+        trap = self
+
+        class Armed(plain):  # type: ignore[misc, valid-type]
+            def random(self) -> float:
+                trap.fire()
+                return plain.random(self)
+
+            def getrandbits(self, k: int) -> int:
+                trap.fire()
+                return plain.getrandbits(self, k)
+
+        self.armed_class = Armed
+        names = [n for n in ("random", "getrandbits") if getattr(random, n, None) == getattr(inst, n)]
+        self._bound = {n: getattr(random, n) for n in names}
+        self._traps = {n: types.MethodType(getattr(Armed, n), inst) for n in names}
+        self._gauss_next: float | None = None
+
+    def get(self) -> Any:
+        return self.inst.getstate()
+
+    def set(self, state: Any) -> None:
+        self.inst.setstate(state)
+
+    def _arm(self) -> None:
+        self.inst.__class__ = self.armed_class
+        random.__dict__.update(self._traps)
+
+    def _disarm(self) -> None:
+        self.inst.__class__ = self.plain
+        for name, trap in self._traps.items():
+            if random.__dict__.get(name) is trap:  # unless the script rebound it meanwhile
+                setattr(random, name, self._bound[name])
+
+    def start(self, check: bool) -> None:
+        self._gauss_next = self.inst.gauss_next
+        super().start(check)
+
+    def restore(self) -> None:
+        super().restore()
+        self.inst.gauss_next = self._gauss_next
+
+
+class _NumpyRandom(_HostGenerator):
+    """NumPy's legacy global generator (np.random.seed, np.random.rand...). Its methods are
+    compiled, so the trap is on the module: while armed, numpy.random's class is a subclass whose
+    attribute lookup fires the trap when a function of the global generator is looked up."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        super().__init__()
+        self.module = module
+        self.rand = rand = module.mtrand._rand
+        names = frozenset({n for n, v in vars(module).items() if getattr(v, "__self__", None) is rand} | {"seed"})
+        self.plain = plain = type(module)
+        trap = self
+
+        class Armed(plain):  # type: ignore[misc, valid-type]
+            def __getattribute__(self, name: str) -> Any:
+                if name in names:
+                    trap.fire()
+                return plain.__getattribute__(self, name)
+
+        self.armed_class = Armed
+
+    def get(self) -> Any:
+        return self.rand.get_state()
+
+    def set(self, state: Any) -> None:
+        self.rand.set_state(state)
+
+    def same(self, a: Any, b: Any) -> bool:
+        """The legacy state tuple: (name, keys array, pos, has_gauss, cached_gaussian)."""
+        return a[2:] == b[2:] and bool((a[1] == b[1]).all())
+
+    def _arm(self) -> None:
+        self.module.__class__ = self.armed_class
+
+    def _disarm(self) -> None:
+        self.module.__class__ = self.plain
 
 
 class Generators:
-    """Saves, at each step's start, what a replay of the step needs.
-
-    Python's `random.getstate()` alone costs more than the rest of the save (625 ints a call,
-    tens of microseconds in a training loop), and few steps draw from it or from NumPy's global
-    generator: their data pipelines do, before the step. So the first steps and every
-    `CHECK_EVERY`-th save them and look afterwards whether the step drew from them; from the
-    first step seen drawing, every step saves them.
-    """
+    """The generators a step may draw from, as they were at its start, put back before a replay:
+    torch's (CPU and the device) saved at every start, Python's `random` and NumPy's global one
+    on the step's first draw from them (_HostGenerator)."""
 
     CHECK_EVERY = 50
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.host_drawn = False
-        self._saves = 0
-        self._checking: RngState | None = None
+        self.python = _PythonRandom()
+        self.numpy: _NumpyRandom | None = None  # once numpy.random is imported
+        self._hosts: tuple[_HostGenerator, ...] = (self.python,)
+        self._starts = 0
+        self._torch: Any = None
+        self._accel: Any = None
 
-    def save(self) -> RngState:
-        self._saves += 1
-        check = not self.host_drawn and (self._saves <= 3 or self._saves % self.CHECK_EVERY == 0)
-        state = RngState(self.device, host=self.host_drawn or check)
-        self._checking = state if check else None
-        return state
+    def start(self) -> None:
+        self._starts += 1
+        self._torch = torch.get_rng_state()
+        if self.device.type == "cuda":
+            self._accel = torch.cuda.get_rng_state(self.device)
+        elif self.device.type == "mps":
+            self._accel = torch.mps.get_rng_state()
+        if self.numpy is None and "numpy.random" in sys.modules:
+            self.numpy = _NumpyRandom(sys.modules["numpy.random"])
+            self._hosts = (self.python, self.numpy)
+        check = self._starts <= 3 or self._starts % self.CHECK_EVERY == 0
+        for host in self._hosts:
+            host.start(check)
 
-    def completed(self) -> None:
-        """The step saved last has completed: note whether it drew from Python's or NumPy's generator."""
-        state, self._checking = self._checking, None
-        if state is None:
-            return
-        numpy = sys.modules.get("numpy")
-        drew_numpy = numpy is not None and state.numpy is not None and not _same_numpy(
-            state.numpy, numpy.random.get_state())
-        if random.getstate() != state.python or drew_numpy:
-            self.host_drawn = True
+    def restore(self) -> None:
+        torch.set_rng_state(self._torch)
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(self._accel, self.device)
+        elif self.device.type == "mps":
+            torch.mps.set_rng_state(self._accel)
+        for host in self._hosts:
+            host.restore()
+
+    def end(self) -> None:
+        """The step is over (trained, stopped or failed)."""
+        for host in self._hosts:
+            host.end()
+
+    def close(self) -> None:
+        """fit() returns: the generators and modules as the script left them."""
+        for host in self._hosts:
+            host.disarm()
 
 
-def _same_numpy(a: Any, b: Any) -> bool:
-    """NumPy's legacy state tuple: (name, keys array, pos, has_gauss, cached_gaussian)."""
-    return a[2] == b[2] and a[3] == b[3] and bool((a[1] == b[1]).all())
+class Buffers:
+    """Running statistics (BatchNorm's running_mean, running_var, num_batches_tracked) as they
+    were at a step's start: a failed attempt's forward passes updated them, and the replay's
+    would again. Only modules that track running statistics are saved (one foreach copy into
+    tensors allocated once): for a model without any, a step pays one truth test."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.live = [b for m in model.modules() if getattr(m, "track_running_stats", False)
+                     for b in m.buffers(recurse=False)]
+        self.saved = [b.clone() for b in self.live]
+
+    def save(self) -> None:
+        if self.live:
+            torch._foreach_copy_(self.saved, self.live)
+
+    def restore(self) -> None:
+        if self.live:
+            torch._foreach_copy_(self.live, self.saved)

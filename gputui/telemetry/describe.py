@@ -57,6 +57,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "top_tensors": _top,
     "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",
     "error": lambda e: f"error: {e['message']}",
+    "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
 }
 
 

@@ -8,6 +8,7 @@ sinks' own cost: the training thread never waits on a reader.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
@@ -18,12 +19,22 @@ from .sample import Event, StepSample
 
 
 class Sink(Protocol):
-    """A consumer called on the training thread: it must be quick and must not raise."""
+    """A consumer called on the training thread: it must be quick and must not raise, but for
+    SinkFailed once, when it can write no more."""
 
     def on_start(self, info: dict[str, Any]) -> None: ...
     def on_sample(self, sample: StepSample) -> None: ...
     def on_event(self, event: Event) -> None: ...
     def on_end(self, summary: dict[str, Any]) -> None: ...
+
+
+class SinkFailed(Exception):
+    """A sink can write no more (a full disk, a closed pipe). The hub drops it and says so once:
+    one line on stderr (the message) and a `sink_failed` event (the details); training goes on."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,9 @@ class Hub:
         self.info: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.runs = 0
+        # "terminated"/"interrupted": a signal asked the run to stop while the script trains in
+        # another thread than the handler's (the TUI's). A plain write: a handler takes no lock.
+        self.stop_signal: str | None = None
 
     def add_sink(self, sink: Sink) -> None:
         with self._lock:
@@ -69,28 +83,41 @@ class Hub:
             self.info = info
             self.summary = None
             self.runs += 1
-        for sink in self._sinks:
-            sink.on_start(info)
+        self._call("on_start", info)
 
     def publish(self, sample: StepSample) -> None:
         with self._lock:
             self._samples.append(sample)
             self._published += 1
-        for sink in self._sinks:
-            sink.on_sample(sample)
+        self._call("on_sample", sample)
 
     def emit(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
             self._emitted += 1
-        for sink in self._sinks:
-            sink.on_event(event)
+        self._call("on_event", event)
 
     def end(self, summary: dict[str, Any]) -> None:
         with self._lock:
             self.summary = summary
+        self._call("on_end", summary)
+
+    def _call(self, method: str, arg: Any) -> None:
         for sink in self._sinks:
-            sink.on_end(summary)
+            try:
+                getattr(sink, method)(arg)
+            except SinkFailed as failure:
+                self._failed(sink, failure)
+
+    def _failed(self, sink: Sink, failure: SinkFailed) -> None:
+        self.remove_sink(sink)
+        try:
+            sys.stderr.write(f"gputui: {failure}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        last = self.latest()
+        self.emit(Event("sink_failed", last.step if last else 0, {**failure.details, "message": str(failure)}))
 
     def since(self, cursor: tuple[int, int]) -> tuple[list[StepSample], list[Event], tuple[int, int]]:
         """What was published after `cursor` ((0, 0) at first), and the cursor to pass next time.

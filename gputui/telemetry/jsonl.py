@@ -1,4 +1,4 @@
-"""The metrics file: one JSON object a line (start, step, event, end), flushed line by line.
+"""The metrics file: one JSON object a line (start, step, event, end), written line by line.
 
 Written by the training thread as it goes, so `tail -f` and a crash both see every finished step.
 """
@@ -10,24 +10,41 @@ import os
 import time
 from typing import Any
 
+from .hub import SinkFailed
 from .sample import VERSION, Event, StepSample
 
 
 class MetricsFile:
+    """Each line is one unbuffered write of its bytes, so a failed write leaves nothing behind to
+    flush (or fail again) at close; a disk that fills mid-line gets the partial line cut off.
+    The first failure ends the file for good: a file of whole lines is worth more than one with
+    a gap, and training goes on."""
+
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         self.path = os.fspath(path)
         try:
-            self._file = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
+            self._file = open(self.path, "ab" if append else "wb", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the metrics file {self.path}: {exc.strerror}") from None
+        self._failed = False
 
     def _line(self, record: dict[str, Any]) -> None:
-        if self._file.closed:
+        if self._failed or self._file.closed:
             return
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        written = 0
         try:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        except OSError:  # a full disk must not stop training
-            pass
+            while written < len(data):  # a write(2) may take part of the line and fail on the rest
+                written += self._file.write(data[written:])
+        except OSError as exc:
+            self._failed = True
+            if written:
+                try:
+                    os.ftruncate(self._file.fileno(), self._file.tell() - written)
+                except OSError:  # a pipe or a device: nothing to cut
+                    pass
+            raise SinkFailed(f"metrics file {self.path}: {exc.strerror or exc}; no more lines will be written",
+                             sink="metrics", path=self.path, error=exc.strerror or str(exc)) from None
 
     def on_start(self, info: dict[str, Any]) -> None:
         self._line({"v": VERSION, "kind": "start", "t": round(time.time(), 6), **info})
@@ -42,4 +59,7 @@ class MetricsFile:
         self._line({"v": VERSION, "kind": "end", "t": round(time.time(), 6), **summary})
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # an unbuffered file has nothing left to write: never fails a run that trained
+            pass

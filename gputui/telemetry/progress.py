@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from ..units import format_bytes
 from .describe import describe
+from .hub import SinkFailed
 from .sample import Event, StepSample
 
 
@@ -51,7 +52,7 @@ def render(sample: StepSample, info: dict[str, Any] | None) -> str:
 class ProgressLine:
     """A telemetry sink writing to `stream` (stdout); redraws at most every `interval` seconds."""
 
-    def __init__(self, stream: TextIO, *, interval: float | None = None) -> None:
+    def __init__(self, stream: TextIO | None, *, interval: float | None = None) -> None:
         self.stream = stream
         try:
             self.tty = stream.isatty()
@@ -63,13 +64,21 @@ class ProgressLine:
         self._pending: StepSample | None = None
         self._drawn = False  # a line without a newline is on the terminal
         self.quiet = False
+        self._failed = False
 
     def _write(self, text: str) -> None:
+        if self._failed:
+            return
         try:
+            if self.stream is None:  # Python's sys.stdout when the process started with fd 1 closed
+                raise ValueError("stdout is closed")
             self.stream.write(text)
             self.stream.flush()
-        except (OSError, ValueError):  # a closed pipe must not stop training
-            pass
+        except (OSError, ValueError) as exc:  # a closed pipe must not stop training: say so once
+            self._failed = True
+            error = getattr(exc, "strerror", None) or str(exc)
+            raise SinkFailed(f"progress line: {error}; no more progress will be written",
+                             sink="progress", error=error) from None
 
     def _clear(self) -> None:
         if self._drawn:

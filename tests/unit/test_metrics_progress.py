@@ -1,10 +1,13 @@
 import io
 import json
+import os
 
 import pytest
 import torch
 
 import gputui
+from gputui.telemetry.describe import describe
+from gputui.telemetry.jsonl import MetricsFile
 from gputui.telemetry.progress import ProgressLine
 from helpers import ConvNet, conv_batches, conv_step
 
@@ -77,3 +80,46 @@ def test_progress_redraws_in_place_on_a_terminal(hub):
     text = out.getvalue()
     assert "\rstep 1/3" in text and "\x1b[K" in text
     assert text.endswith("\n") and text.splitlines()[-1].startswith("gputui: done")
+
+
+class BrokenPipe(io.StringIO):
+    """stdout whose reader went away after `ok` writes."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__()
+        self.ok, self.tries = ok, 0
+
+    def write(self, text):
+        self.tries += 1
+        if self.tries > self.ok:
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+
+def failures(hub):
+    return [e for e in hub.events() if e.name == "sink_failed"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_metrics_file_on_a_full_disk_says_so_once_and_training_goes_on(hub, capsys):
+    metrics = MetricsFile("/dev/full")
+    hub.add_sink(metrics)
+    model = ConvNet()
+    result = gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
+    metrics.close()  # what `gputui run` does at exit: nothing left to flush, nothing raised
+    assert result.steps == 3
+    assert capsys.readouterr().err == \
+        "gputui: metrics file /dev/full: No space left on device; no more lines will be written\n"
+    [event] = failures(hub)
+    assert (event["sink"], event["path"], event["error"]) == ("metrics", "/dev/full", "No space left on device")
+    assert describe(event) == "metrics file /dev/full: No space left on device; no more lines will be written"
+
+
+def test_a_broken_stdout_stops_the_progress_line_once(hub, capsys):
+    out = BrokenPipe(ok=2)
+    hub.add_sink(ProgressLine(out))
+    model = ConvNet()
+    result = gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert result.steps == 3 and out.tries == 3  # the failed write was the last one tried
+    assert capsys.readouterr().err == "gputui: progress line: Broken pipe; no more progress will be written\n"
+    assert [e["sink"] for e in failures(hub)] == ["progress"]

@@ -159,10 +159,13 @@ def test_rng_restored_so_a_retry_replays_the_same_dropout(hub):
     assert_same_weights(model, ref, atol=0, rtol=0)
 
 
+held_random = random.random  # bound before any fit: past the trap on random._inst
+
+
 @pytest.mark.parametrize("first_draw", [1, 7])  # from the first step, or from an unchecked step on
-def test_a_retry_replays_pythons_random_once_the_step_is_seen_drawing_from_it(hub, first_draw):
-    """Python's generator is saved for the steps that draw from it: seen at the first steps and
-    every CHECK_EVERY-th; a step that does gets the same draws again when it is replayed."""
+def test_draws_through_a_function_bound_before_fit_are_caught_at_a_checked_step(hub, first_draw):
+    """`from random import random` holds the C method, which the lazy save cannot see: comparing
+    the state around the first steps and every CHECK_EVERY-th finds it, and every step saves."""
     draws: list[tuple[int, float]] = []
     calls = []
 
@@ -171,7 +174,7 @@ def test_a_retry_replays_pythons_random_once_the_step_is_seen_drawing_from_it(hu
         n = len(calls)
         loss = conv_step(model, batch)
         if n >= first_draw:
-            draws.append((n, random.random()))
+            draws.append((n, held_random()))
         if n == 12:  # a step well after the generator was seen drawing (step 10 checks, at the latest)
             raise torch.OutOfMemoryError("out of memory")
         return loss
@@ -188,14 +191,24 @@ def test_a_retry_replays_pythons_random_once_the_step_is_seen_drawing_from_it(hu
     assert by_call[14] != by_call[12]
 
 
-def test_a_step_that_never_draws_from_python_random_does_not_save_it():
+def test_host_generators_are_saved_only_by_steps_that_draw_from_them():
+    np = pytest.importorskip("numpy")
     gen = Generators(torch.device("cpu"))
     saved = []
-    for _ in range(8):
-        saved.append(gen.save().python is not None)
+    for i in range(8):
+        gen.start()
         torch.rand(3)  # torch's generator only
-        gen.completed()
-    assert saved == [True, True, True, False, False, False, False, False] and not gen.host_drawn
+        if i == 5:
+            random.shuffle([1, 2, 3])
+        if i == 6:
+            np.random.rand()
+        saved.append((gen.python.saved is not None, gen.numpy.saved is not None))
+        gen.end()
+    assert saved == [(True, True)] * 3 + [(False, False)] * 2 + [(True, False), (False, True), (False, False)]
+    assert not gen.python.every_step and not gen.numpy.every_step
+    gen.close()  # fit returns: the module and the generator are as the script left them
+    assert type(random._inst) is random.Random and random.random == random._inst.random
+    assert type(np.random) is type(np)
 
 
 def test_failed_attempt_memory_is_released_before_the_retry():
