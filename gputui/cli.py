@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Sequence
 
@@ -151,6 +152,10 @@ def _run(options: argparse.Namespace) -> int:
 
         return run_tui(hub, options.script, options.args, options.refresh)
     finally:
+        # The run is over: a Ctrl-C or SIGTERM now (a second one, while the server closes) would
+        # only interrupt the cleanup, leaving a stale socket and printing our own traceback.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         if server is not None:
             server.close()
         hubs.install(None)

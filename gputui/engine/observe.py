@@ -62,6 +62,7 @@ class Observer:
         self._host_t = 0.0
         self._started = False
         self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
+        self._signalled = False
 
     # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
     def on_start(self, info: dict[str, Any]) -> None:
@@ -257,10 +258,14 @@ class Observer:
     def _boundary(self) -> None:
         for control in self.hub.controls.drain():
             self._apply(control)
-        while self.paused:
+        while self.paused and not self.hub.stop_signal:
             if self.hub.controls.wait(0.25):
                 for control in self.hub.controls.drain():
                     self._apply(control)
+        if self.hub.stop_signal and not self._signalled:  # SIGTERM/SIGINT under the TUI (runner.py)
+            self._signalled, self.paused = True, False
+            self._emit("stopped", reason=f"{self.hub.stop_signal}: KeyboardInterrupt raised in the script")
+            raise KeyboardInterrupt  # as that signal's Ctrl-C would under python
 
     def _emit(self, name: str, control: Control | None = None, **details: Any) -> None:
         if control is not None:

@@ -284,8 +284,9 @@ class GputuiApp(App[int]):
     def _stop_then_quit(self) -> None:
         self._quitting = True
         self.view.stopping = True
-        if self.view.training:
-            self.send("stop", text="stop")
+        # Sent even before the first step is seen (the script may still be importing torch): the
+        # run stops at its first boundary instead of training on after the user quit.
+        self.send("stop", text="stop")
         self.notify("Stopping after the current step; the script then finishes (its save runs). "
                     "q again quits at once.", timeout=10)
 

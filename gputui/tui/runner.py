@@ -1,14 +1,17 @@
 """Running the app: on a local script (`gputui run`) or on a job elsewhere (`gputui attach`).
 
 Both own the terminal for the app's lifetime and give it back intact. When the terminal goes
-away (SIGHUP: an SSH session dropped, a tmux window killed), a local run closes the app and
-goes on headless: the training thread keeps training, the socket keeps serving, and the
-process exits with the script's code when it ends.
+away (SIGHUP: an SSH session dropped, a tmux window killed; or a hang-up terminal.py notices),
+a local run closes the app and goes on headless: the training thread keeps training, the
+socket keeps serving, and the process exits with the script's code when it ends. SIGTERM and
+SIGINT act as they do headless: the fit stops after its step, the script finishes (its save
+runs), the app closes; a second one stops the script at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sys
@@ -18,51 +21,117 @@ from typing import Any
 from ..launch import detach_from_terminal, run_script
 from .app import GputuiApp
 from .model import LocalSource, OutputLog
-from .terminal import guarded_output
+from .terminal import Terminal, guarded_terminal
 
 SCRIPT_TAIL = 15
 """Lines of the script's own output printed when the app closes."""
 
 
-def _on_hangup(app: GputuiApp, hung_up: threading.Event) -> None:
-    def handler(signum: int, frame: Any) -> None:
-        hung_up.set()
-        try:  # runs on the event loop's thread, between two of its steps: schedule, do not call
-            asyncio.get_running_loop().call_soon_threadsafe(app.exit, None)
-        except RuntimeError:
-            pass
+UNWIND_S = 2.0
+"""How long a script stopped at once gets to unwind before the process exits without it."""
 
-    signal.signal(signal.SIGHUP, handler)
+STOPS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+
+
+class _Terminated(SystemExit):
+    """A second SIGTERM, raised in the script's thread: it ends as headless would (code 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
+    """Raise `exc` in `thread` at its next bytecode, as a signal does in the main thread."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(exc))
+
+
+def _schedule(callback: Any, *args: Any) -> None:
+    """From a signal handler, between two steps of the app's event loop: schedule, do not call."""
+    try:
+        asyncio.get_running_loop().call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop is not running (the app has not started or has ended)
+        pass
+
+
+def _leave_when_done(app: GputuiApp, signum: int) -> None:
+    """SIGTERM or SIGINT: the running fit stops at its next boundary (hub.stop_signal), the script
+    finishes (its save runs), then the app exits with the script's code."""
+    thread = app.training_thread
+    if thread is None or not thread.is_alive():
+        app.exit(app.script_code if app.script_code is not None else 128 + signum)
+        return
+    app.view.stopping = True
+    app.notify(f"{STOPS[signum]}: finishing the current step; the script then finishes (its save runs) and "
+               "gputui exits. Again to stop at once.", timeout=30)
+
+    def wait() -> None:
+        thread.join()
+        app.exit(app.script_code)  # posted after the script's ScriptEnded: its report is shown first
+
+    threading.Thread(target=wait, name="gputui-leave", daemon=True).start()
+
+
+def _install_signals(app: GputuiApp, hub: Any, terminal: Terminal, hung_up: list[bool], raised: list[bool]) -> None:
+    """Handlers only set flags and schedule: they may interrupt code that holds a lock."""
+
+    def hangup(signum: int, frame: Any) -> None:
+        if not hung_up:
+            hung_up.append(True)
+            terminal.release()  # Textual's last writes go nowhere instead of failing
+            _schedule(app.exit, None)
+
+    def stop(signum: int, frame: Any) -> None:
+        if hub.stop_signal is None:
+            hub.stop_signal = STOPS[signum]
+            _schedule(_leave_when_done, app, signum)
+            return
+        thread = app.training_thread  # the second one: stop now, as headless does
+        if thread is not None and thread.is_alive() and not raised:
+            raised.append(True)
+            _raise_in(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
+        _schedule(app.exit, 128 + signum)
+
+    signal.signal(signal.SIGHUP, hangup)
+    for sig in STOPS:
+        signal.signal(sig, stop)
 
 
 def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     output = OutputLog()
-    hung_up = threading.Event()
-    with guarded_output(output.write):  # what C code writes joins the script's log
+    hung_up: list[bool] = []
+    raised: list[bool] = []  # an exception was raised in the script's thread to stop it at once
+    with guarded_terminal(output.write) as terminal:  # what C code writes joins the script's log
         app = GputuiApp(LocalSource(hub), script=os.path.basename(script),
                         runner=lambda err: run_script(script, args, err=err, observe=hub), refresh=refresh,
                         output=output)
-        _on_hangup(app, hung_up)
+        _install_signals(app, hub, terminal, hung_up, raised)
         app.run()
     thread = app.training_thread
-    if hung_up.is_set():
+    if hung_up:
         detach_from_terminal()
         if thread is not None:
             thread.join()
         return app.script_code if app.script_code is not None else 0
+    if thread is not None and thread.is_alive():
+        # A quit at once (a second q, Ctrl-C or signal): stop the script as a second Ctrl-C would,
+        # so its finally blocks run (a save's temporary file goes, fit writes its end record).
+        # A thread blocked in C cannot be interrupted: it gets a moment, then is left behind.
+        if not raised:
+            _raise_in(thread, KeyboardInterrupt)
+        thread.join(UNWIND_S)
     if app.return_code:  # the app itself failed: its report went to the captured output
-        lines, _ = output.since(max(0, output.total - 60))
+        lines = output.tail(60)
         sys.stderr.write("\n".join(lines) + "\ngputui: error: the TUI stopped on an internal error (above); "
                          "`gputui run --headless` runs without it\n")
     code = app.return_value if app.return_value is not None else 1
-    lines, _ = output.since(max(0, output.total - SCRIPT_TAIL))
+    lines = output.tail(SCRIPT_TAIL)
     if lines and not app.return_code:  # what the script said last (its save, its summary) stays visible
         print(f"gputui: {os.path.basename(script)} printed (last {len(lines)} lines; l in the TUI shows all):")
         print("\n".join(lines))
     if app.view.failure:
         sys.stderr.write(app.view.failure if app.view.failure.endswith("\n") else app.view.failure + "\n")
     if thread is not None and thread.is_alive():
-        # Quit while the script still runs: nothing more to wait for, and joining it would hang.
+        # The script did not unwind: nothing more to wait for, and joining it could hang.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

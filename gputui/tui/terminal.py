@@ -1,33 +1,101 @@
-"""Keep the screen clean while the TUI owns the terminal.
+"""Keep the screen clean while the TUI owns the terminal, and notice when the terminal dies.
 
 Python-level prints are captured by Textual, but C and C++ code (NCCL, cuDNN, a library's own
 logging) write to file descriptors 1 and 2 directly and would scribble over the screen. While
-the app runs, those descriptors point into a pipe whose text joins the script's log, and
-Textual draws on a duplicate of the real terminal.
+the app runs, those descriptors point into a pipe whose text joins the script's log, fd 0 is
+/dev/null (keys are the app's: a script reading stdin would split them with it), and Textual
+reads and draws on duplicates of the real terminal.
+
+A terminal can die without a SIGHUP reaching us (the pane's leader ignores HUP, `tmux
+kill-session`): reads then see EOF, writes fail with EIO, and Textual's writer thread would die,
+leaving the UI thread blocked on its full queue. So Textual writes through `_Screen`, which
+drops what cannot be written, a watchdog polls the terminal for a hang-up, and either sends
+SIGHUP to the main thread: the hand-over to headless then happens in one place (runner.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import select
+import signal
 import sys
 import threading
 from typing import Callable, Iterator
 
 
+def _report_lost() -> None:
+    """The terminal is gone: as if its SIGHUP had come (to the main thread, whose handler acts)."""
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGHUP)
+
+
+class _Screen(io.TextIOWrapper):
+    """The terminal as Textual writes to it: a write that fails (EIO: the terminal is gone) is
+    dropped and reported, instead of killing Textual's writer thread."""
+
+    def write(self, text: str) -> int:
+        try:
+            return super().write(text)
+        except OSError:
+            _report_lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            _report_lost()
+
+
+class Terminal:
+    """The duplicates of fds 0, 1 and 2 that Textual uses while the app runs."""
+
+    def __init__(self) -> None:
+        self.fds = os.dup(0), os.dup(1), os.dup(2)
+
+    def release(self) -> None:
+        """Point Textual's descriptors at /dev/null: what it still writes vanishes, reads see EOF.
+        Only system calls: safe in a signal handler."""
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in self.fds:
+            os.dup2(null, fd)
+        os.close(null)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _watch(fd: int, wake: int) -> None:
+    """Block until the terminal hangs up (POLLHUP needs no event mask) or `wake` is written."""
+    poller = select.poll()
+    poller.register(fd, 0)
+    poller.register(wake, select.POLLIN)
+    if wake not in {ready for ready, _ in poller.poll()}:
+        _report_lost()
+
+
 @contextlib.contextmanager
-def guarded_output(sink: Callable[[str], None]) -> Iterator[None]:
+def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    saved_out, saved_err = os.dup(1), os.dup(2)
+    terminal = Terminal()
     read_end, write_end = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
-    originals = sys.__stdout__, sys.__stderr__
+    originals = sys.__stdin__, sys.__stdout__, sys.__stderr__
     # Textual reads these when the app is built and when its driver starts: the real terminal.
-    sys.__stdout__ = open(saved_out, "w", closefd=False)  # type: ignore[misc]
-    sys.__stderr__ = open(saved_err, "w", closefd=False)  # type: ignore[misc]
+    tty_in, tty_out, tty_err = terminal.fds
+    sys.__stdin__ = open(tty_in, "r", closefd=False)  # type: ignore[misc]
+    sys.__stdout__, sys.__stderr__ = (  # type: ignore[misc]
+        _Screen(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=stream.encoding,
+                errors=stream.errors)
+        for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2])))
 
     def pump() -> None:
         with open(read_end, "r", encoding="utf-8", errors="replace", closefd=True) as pipe:
@@ -36,15 +104,22 @@ def guarded_output(sink: Callable[[str], None]) -> Iterator[None]:
 
     reader = threading.Thread(target=pump, name="gputui-output", daemon=True)
     reader.start()
+    wake_read, wake_write = os.pipe()
+    watchdog = threading.Thread(target=_watch, args=(tty_in, wake_read), name="gputui-terminal", daemon=True)
+    watchdog.start()
     try:
-        yield
+        yield terminal
     finally:
+        os.write(wake_write, b"x")
+        watchdog.join()
+        for fd in (wake_read, wake_write):
+            os.close(fd)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os.dup2(saved_out, 1)  # the pipe's last write ends close here: the reader sees EOF
-        os.dup2(saved_err, 2)
-        sys.__stdout__, sys.__stderr__ = originals  # type: ignore[misc]
-        os.close(saved_out)
-        os.close(saved_err)
+        os.dup2(tty_in, 0)
+        os.dup2(tty_out, 1)  # the pipe's last write ends close here: the reader sees EOF
+        os.dup2(tty_err, 2)
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = originals  # type: ignore[misc]
+        terminal.close()
         reader.join(timeout=1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from textual.command import CommandPalette
-from textual.widgets import RichLog
+from textual.widgets import Input, RichLog
 
 from gputui.tui.screens import ConfirmQuit, FailureScreen, LogScreen, OomScreen, TopTensorsScreen
 from conftest import text, until
@@ -38,7 +38,7 @@ async def test_palette_command_does_what_its_key_does(make_app, hub):
         await started(pilot, app, hub)
         await pilot.press("ctrl+p")
         await until(pilot, lambda: isinstance(app.screen, CommandPalette))
-        await pilot.press(*"halve")
+        app.screen.query_one(Input).value = "halve"  # typed at once: Pilot waits for idle after each key
         await pilot.pause(0.3)  # the palette searches in a worker
         await pilot.press("enter")
         await until(pilot, lambda: "micro_batch_changed" in names(hub))
@@ -117,6 +117,19 @@ async def test_quit_asks_once_then_stops_after_the_step_and_the_script_saves(mak
     assert "stopped" in names(hub)
     assert torch.load(tmp_path / "saved.pt")["steps"] == hub.latest().step
     assert any("saved after" in line for line in app.output.lines)
+
+
+async def test_quit_before_fit_starts_stops_the_run_at_its_first_boundary(make_app, hub, tmp_path):
+    app = make_app(extra="**{} if time.sleep(1.5) else {}")  # fit starts 1.5 s late: imports, data loading
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: any("script started" in line for line in app.output.lines))
+        assert app.view.info is None
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("y")
+        await until(pilot, lambda: app.return_value is not None)
+    assert app.return_value == 0
+    assert torch.load(tmp_path / "saved.pt")["steps"] == 0  # stopped at the first boundary, then saved
 
 
 async def test_a_failing_script_leaves_the_app_up_with_its_traceback(make_app, hub):

@@ -1,0 +1,290 @@
+"""Signals, dying terminals, stdin and saves, on real processes in real pseudo-terminals.
+
+Each run ends as headless would: the fit stops after its step, the script's save runs, the
+metrics file gets its end record, the socket goes, and the process exits with the script's code.
+"""
+
+import json
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import termios
+import textwrap
+import threading
+import time
+
+import pytest
+
+TRAIN = """
+import sys, time
+import gputui, torch
+from torch import nn
+
+{before}
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+data = [(torch.randn(8, 8), torch.randint(2, (8,))) for _ in range(50)]
+
+def step(model, batch):
+    time.sleep(0.02)
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+result = gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.1), max_steps={steps})
+gputui.save({{"steps": result.steps, "stopped": result.stopped, "big": torch.ones(1 << 20)}}, sys.argv[1])
+{after}
+sys.exit(3)
+"""
+
+
+@pytest.fixture
+def env(tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    return {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
+
+
+def write_script(tmp_path, steps=100_000, before="", after=""):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(TRAIN.format(steps=steps, before=before, after=after)))
+    return path
+
+
+class Tui:
+    """`gputui run` on a pseudo-terminal (optionally under a shell command), its screen drained."""
+
+    def __init__(self, env, tmp_path, script, shell=None):
+        self.metrics, self.out = tmp_path / "m.jsonl", tmp_path / "out.pt"
+        self.sockets = os.path.join(env["XDG_RUNTIME_DIR"], "gputui")
+        argv = [sys.executable, "-m", "gputui", "run", "--metrics", str(self.metrics), str(script), str(self.out)]
+        if shell is not None:
+            argv = ["/bin/sh", "-c", shell + ' "$@"', "sh", *argv]
+        self.pid, self.master = pty.fork()
+        if self.pid == 0:
+            os.execve(argv[0], argv, env)
+        self.screen = bytearray()
+        self.closed = threading.Event()
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self):
+        try:
+            while chunk := os.read(self.master, 65536):
+                self.screen += chunk
+        except OSError:  # EIO: the child side closed
+            pass
+        self.closed.set()
+
+    def text(self):
+        """The last screenful, escape sequences removed: for failure messages."""
+        return re.sub(r"\x1b\[[0-9;?<>=$]*[A-Za-z]", " ", self.screen[-6000:].decode("utf-8", "replace"))
+
+    def records(self):
+        text = self.metrics.read_text() if self.metrics.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def wait_for(self, what, timeout=30):
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"timed out; screen: {self.text()}"
+            time.sleep(0.05)
+
+    def wait_steps(self, n):
+        self.wait_for(lambda: sum(r["kind"] == "step" for r in self.records()) >= n)
+
+    def exit_code(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while (status := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, f"still running; screen: {self.text()}"
+            time.sleep(0.05)
+        self.pid = None
+        return os.waitstatus_to_exitcode(status[1])
+
+    def close(self):
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        try:
+            os.close(self.master)
+        except OSError:
+            pass
+
+    def assert_ended_cleanly(self, stopped):
+        import torch
+
+        end = self.records()[-1]
+        assert end["kind"] == "end" and end["stopped"] == stopped and end["error"] is None
+        saved = torch.load(self.out)
+        assert saved["stopped"] == stopped and saved["steps"] == end["steps"] and saved["big"].sum() == 1 << 20
+        assert os.listdir(self.sockets) == [], "the socket is removed"
+        assert not [p for p in os.listdir(self.out.parent) if p.endswith(".tmp")]
+
+
+@pytest.fixture
+def tui(env, tmp_path):
+    runs = []
+
+    def start(script, shell=None):
+        runs.append(Tui(env, tmp_path, script, shell))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
+
+
+def test_sigterm_in_the_tui_finishes_the_step_saves_and_gives_the_terminal_back(tmp_path, tui):
+    run = tui(write_script(tmp_path))
+    run.wait_steps(3)
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.exit_code() == 3
+    run.assert_ended_cleanly("terminated")
+    attrs = termios.tcgetattr(run.master)
+    assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO, "the terminal is out of raw mode"
+    run.wait_for(run.closed.is_set)
+    assert run.screen.rfind(b"\x1b[?1049l") > run.screen.rfind(b"\x1b[?1049h"), "the alternate screen is left"
+
+
+def test_a_second_sigterm_in_the_tui_stops_the_script_at_once(tmp_path, tui):
+    # After fit, the script "evaluates" for minutes: the first SIGTERM ends fit, the second the script.
+    after = f"open({str(tmp_path / 'evaluating')!r}, 'w').close()\nwhile True:\n    time.sleep(0.01)"
+    run = tui(write_script(tmp_path, after=after))
+    run.wait_steps(3)
+    os.kill(run.pid, signal.SIGTERM)
+    run.wait_for((tmp_path / "evaluating").exists)
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.exit_code() == 143
+    assert os.listdir(run.sockets) == []
+    attrs = termios.tcgetattr(run.master)
+    assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO
+
+
+def test_a_terminal_that_dies_without_a_sighup_hands_over_to_headless(tmp_path, tui):
+    # The session leader ignores HUP, so closing the terminal sends gputui no signal at all.
+    run = tui(write_script(tmp_path, steps=60), shell="trap '' HUP;")
+    run.wait_steps(3)
+    os.close(run.master)
+    assert run.exit_code() == 3
+    run.assert_ended_cleanly(None)
+    assert run.records()[-1]["steps"] == 60, "training finished headless"
+
+
+def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tui):
+    read = tmp_path / "read.txt"
+    run = tui(write_script(tmp_path, before=f"open({str(read)!r}, 'w').write(repr(sys.stdin.read()))"))
+    run.wait_steps(2)
+    assert read.read_text() == "''"
+    os.write(run.master, b"q")  # asks: training is running
+    run.wait_for(lambda: b"Stop after the current step" in run.screen)
+    os.write(run.master, b"q")  # yes
+    assert run.exit_code() == 3
+    run.assert_ended_cleanly("requested")
+
+
+def test_headless_keeps_stdin(tmp_path, env):
+    path = tmp_path / "echo.py"
+    path.write_text("import sys\nprint('got', sys.stdin.read())\n")
+    done = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", str(path)], input="hello",
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "got hello" in done.stdout, done.stderr
+
+
+def test_a_second_ctrl_c_during_shutdown_is_quiet_and_the_socket_goes(tmp_path, env):
+    # The second Ctrl-C lands exactly while the socket server closes.
+    before = textwrap.dedent("""
+        import os, signal
+        from gputui.telemetry.server import TelemetryServer
+        close = TelemetryServer.close
+        def interrupted_close(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            close(self)
+        TelemetryServer.close = interrupted_close
+    """)
+    path = write_script(tmp_path, steps=4, before=before)
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", "--metrics", str(metrics), str(path),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
+    assert os.listdir(os.path.join(env["XDG_RUNTIME_DIR"], "gputui")) == []
+    assert json.loads(metrics.read_text().splitlines()[-1])["kind"] == "end"
+
+
+SLOW_SAVE = """
+import os, sys, time
+import gputui, torch
+
+class Slow:
+    '''Pickled inside the save: says so, then waits for the test's go.'''
+    def __reduce__(self):
+        open(sys.argv[2], "w").close()
+        while not os.path.exists(sys.argv[3]):
+            time.sleep(0.01)
+        return (str, ("slow",))
+
+gputui.save({"big": torch.ones(1 << 20), "slow": Slow()}, sys.argv[1])
+print("after the save")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, sig):
+    import torch
+
+    path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
+    path.write_text(SLOW_SAVE)
+    torch.save({"old": True}, out)
+    proc = subprocess.Popen([sys.executable, str(path), str(out), str(saving), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not saving.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        go.touch()
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "after the save" not in stdout, "the signal still ends the script"
+    saved = torch.load(out, weights_only=False)  # the test's own file: "slow" pickles as str("slow")
+    assert saved["slow"] == "slow" and saved["big"].sum() == 1 << 20
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+OWN_LOOP = """
+import sys, time
+import torch
+from torch import nn
+
+model = nn.Linear(8, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+steps = 0
+try:
+    while True:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        time.sleep(0.02)
+except KeyboardInterrupt:
+    torch.save({"steps": steps}, sys.argv[1])
+    sys.exit(4)
+"""
+
+
+def test_sigterm_in_the_tui_interrupts_a_scripts_own_loop(tmp_path, tui):
+    path = tmp_path / "own.py"
+    path.write_text(OWN_LOOP)
+    run = tui(path)
+    run.wait_steps(3)
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.exit_code() == 4
+    import torch
+
+    assert torch.load(run.out)["steps"] >= 3
+    stopped = [r for r in run.records() if r.get("name") == "stopped"]
+    assert stopped[0]["reason"].startswith("terminated: KeyboardInterrupt")
+    assert run.records()[-1]["kind"] == "end" and os.listdir(run.sockets) == []
