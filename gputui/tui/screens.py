@@ -122,7 +122,7 @@ class TopTensorsScreen(Overlay):
         self._shown = None  # the top_tensors event on screen
 
     def on_mount(self) -> None:
-        self.update()
+        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
 
     def action_scan(self) -> None:
         self.gapp.send("top_tensors")
@@ -157,7 +157,7 @@ class MemoryScreen(Overlay):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.update()
+        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
 
     def update(self) -> None:
         if self.is_mounted:
@@ -224,7 +224,7 @@ class LogScreen(Overlay):
         self._position = 0  # lines of the output already shown
 
     def on_mount(self) -> None:
-        self.update()
+        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
 
     def update(self) -> None:
         if not self.is_mounted:
@@ -235,8 +235,11 @@ class LogScreen(Overlay):
             log.write(line)
         current = self.gapp.output.current
         line = self.query_one("#output-current", Static)
-        line.display = bool(current)
-        line.update(Text(current, no_wrap=True, overflow="ellipsis"))
+        if current:
+            line.update(Text(current, no_wrap=True, overflow="ellipsis"))
+        elif not self.gapp.output.total:
+            line.update(Text("the script has printed nothing yet: its stdout and stderr appear here", style="dim"))
+        line.display = bool(current) or not self.gapp.output.total
 
 
 class ConfirmQuit(ModalScreen[bool]):

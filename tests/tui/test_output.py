@@ -87,3 +87,26 @@ async def test_panel_and_log_screen_show_lines_from_their_start(hub, tmp_path):
         app.training_thread.join(30)
     assert not app.training_thread.is_alive()
     time.tzset()
+
+
+async def test_log_screen_says_so_when_nothing_was_printed(hub):
+    app = GputuiApp(LocalSource(hub), script="quiet.py", refresh=20)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        note = app.screen.query_one("#output-current", Static)
+        assert note.display and "printed nothing yet" in str(note.render())
+        app.output.write("hello\n")
+        app.screen.update()
+        await pilot.pause()
+        assert not note.display
+
+
+async def test_log_screen_shows_the_output_of_a_run_that_has_ended(hub):
+    app = GputuiApp(LocalSource(hub), script="done.py", refresh=20)  # nothing trains: no pull brings news
+    app.output.write("saved the model after step 200\n")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("l")
+        await pilot.pause()
+        log = app.screen.query_one(RichLog)
+        assert [line.text for line in log.lines] == ["saved the model after step 200"]
