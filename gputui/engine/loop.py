@@ -27,13 +27,14 @@ from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors
 from ..telemetry import hub as hubs
 from ..telemetry.controls import REMEDIES, Control
+from ..telemetry.describe import BATCH_NORM_FLOOR
 from ..telemetry.jsonl import MetricsFile
 from ..telemetry.progress import ProgressLine
 from ..telemetry.rate import Rate
 from ..telemetry.sample import Event, StepSample
 from ..telemetry.server import serve
 from ..units import format_bytes, parse_size
-from .microbatch import batch_size, shapes, split, to_device
+from .microbatch import batch_size, shapes, sizes, split, to_device
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
@@ -163,7 +164,13 @@ class _Trainer:
         if checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(self.device)
+        model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
         self.buffers = Buffers(model)
+        # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
+        self.min_micro_batch = 2 if self.buffers.batch_norms else 1
+        if micro_batch is not None and micro_batch < self.min_micro_batch:
+            raise ValueError(f"micro_batch={micro_batch}, but the model has BatchNorm layers and "
+                             f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead")
         # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
         self.tracker = (StateTracker(model, optimizer, self.budget)
                         if self.device.type == "cpu" or self.budget is not None else None)
@@ -188,6 +195,7 @@ class _Trainer:
         self._events: list[Event] = []
         self._rate = Rate()
         self._warned_loss = False
+        self._said_batch_norm = not self.buffers.batch_norms  # said once, or nothing to say
         self._host, self._host_t = None, 0.0
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
@@ -201,7 +209,6 @@ class _Trainer:
         restore_signals = self._install_signals()
         error: str | None = None
         try:
-            self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             if self.tracker:
                 self.tracker.reset()
@@ -307,13 +314,15 @@ class _Trainer:
             if action == "halve_batch":
                 if current <= 1:
                     return refuse("the micro-batch is already 1")
-                new = current // 2
+                if current <= self.min_micro_batch:
+                    return refuse(BATCH_NORM_FLOOR)
+                new = max(current // 2, self.min_micro_batch)
             else:
                 if current >= self.batch_size:
                     return refuse(f"the micro-batch already equals the global batch ({self.batch_size})")
                 new = min(current * 2, self.batch_size)
             self._emit("micro_batch_changed", **{"from": current, "to": new},
-                       accumulation=math.ceil(self.batch_size / new), **meta)
+                       accumulation=self._accumulation(new), **meta)
             self.micro_batch = new
         elif action == "set_amp":
             if value == self.precision.mode:
@@ -369,6 +378,10 @@ class _Trainer:
     def _micro_batch(self) -> int:
         return min(self.micro_batch or self.batch_size, self.batch_size)
 
+    def _accumulation(self, micro_batch: int) -> int:
+        """Micro-batches a global batch is cut into (as _attempt cuts it)."""
+        return len(sizes(self.batch_size, micro_batch, self.min_micro_batch))
+
     # -- one global batch -------------------------------------------------------------------
     def _train(self, batch: Any) -> bool:
         """Train on one global batch, retrying it after OOMs. False: stopped before it was trained."""
@@ -394,8 +407,10 @@ class _Trainer:
     def _attempt(self, batch: Any, allocated_before: int) -> OomInfo | None:
         total = self.batch_size
         size = self._micro_batch()
-        pieces = split(batch, size, total)
+        pieces = split(batch, size, total, self.min_micro_batch)
         count = len(pieces)
+        if count > 1 and not self._said_batch_norm:
+            self._say_batch_norm(size)
         scaler = self.precision.scaler
         tracker = self.tracker
         phase = "forward"
@@ -488,11 +503,19 @@ class _Trainer:
                 raise FitError(
                     f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
                     f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})")
-            new = oom.micro_batch // 2
+            if oom.micro_batch <= self.min_micro_batch:
+                self._emit("oom", **details, recovered=False)
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch {oom.micro_batch}, and the model has "
+                    f"BatchNorm layers: {BATCH_NORM_FLOOR}, so it cannot be halved again. Replace them "
+                    "with GroupNorm or LayerNorm (they do not depend on the batch), or make room: AMP "
+                    "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
+                    f"helps with the batch spread over several GPUs) ({oom.message})")
+            new = max(oom.micro_batch // 2, self.min_micro_batch)
             self.ooms_recovered += 1
             self.micro_batch = new
             self._emit("oom_recovered", **details, micro_batch_to=new,
-                       accumulation=math.ceil(self.batch_size / new))
+                       accumulation=self._accumulation(new))
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
         self._emit("oom", **details, recovered=False, waiting=True)
@@ -524,12 +547,12 @@ class _Trainer:
         last, streak = self._retries
         streak = streak + 1 if retries > last else 0
         self._retries = (retries, streak)
-        if streak >= THRASHING_STEPS and self.auto_recover and self._micro_batch() > 1:
+        if streak >= THRASHING_STEPS and self.auto_recover and self._micro_batch() > self.min_micro_batch:
             current = self._micro_batch()
-            self.micro_batch = current // 2
+            self.micro_batch = max(current // 2, self.min_micro_batch)
             self._retries = (retries, 0)
             self._emit("thrashing", alloc_retries=retries, steps=streak, micro_batch=current,
-                       micro_batch_to=self.micro_batch, accumulation=math.ceil(self.batch_size / self.micro_batch))
+                       micro_batch_to=self.micro_batch, accumulation=self._accumulation(self.micro_batch))
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -548,6 +571,12 @@ class _Trainer:
             amp=self.precision.mode, checkpointing=self.checkpointing.enabled, samples_per_s=rate,
             memory=memory, samples=self.samples, host=self._host,
         ))
+
+    def _say_batch_norm(self, size: int) -> None:
+        """Once a run: micro-batching changes what BatchNorm computes, unlike every other remedy."""
+        self._said_batch_norm = True
+        self._emit("batch_norm_micro_batched", layers=self.buffers.batch_norms, micro_batch=size,
+                   batch_size=self.batch_size)
 
     def _emit(self, name: str, **details: Any) -> None:
         event = Event(name, self.steps, details)
@@ -577,6 +606,8 @@ class _Trainer:
             "steps_per_epoch": steps_per_epoch,
             "total_steps": total,
             "micro_batch": self.micro_batch,
+            "batch_norm": self.buffers.batch_norms,
+            "min_micro_batch": self.min_micro_batch,
             "amp": self.precision.mode,
             "checkpointing": self.checkpointing.enabled,
             "checkpointing_unavailable": self.checkpointing.unavailable(),

@@ -78,17 +78,32 @@ def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
     return batch
 
 
-def split(batch: Any, size: int, total: int | None = None) -> list[Any]:
-    """Micro-batches of at most `size` samples (the last may be smaller), as views, not copies."""
+def sizes(total: int, size: int, smallest: int = 1) -> list[int]:
+    """How split() cuts `total` samples: `size` each, the rest last. A rest smaller than `smallest`
+    joins the micro-batch before it: BatchNorm cannot normalize one sample in training."""
+    full, rest = divmod(total, size)
+    if full == 0:
+        return [total]
+    cut = [size] * full
+    if rest >= smallest:
+        cut.append(rest)
+    elif rest:
+        cut[-1] += rest
+    return cut
+
+
+def split(batch: Any, size: int, total: int | None = None, smallest: int = 1) -> list[Any]:
+    """Micro-batches as sizes() cuts them (views, not copies): `size` samples, the last one may differ."""
     total = batch_size(batch) if total is None else total
-    if size >= total:
+    cut = sizes(total, size, smallest)
+    count = len(cut)
+    if count == 1:
         return [batch]
-    count = -(-total // size)
 
     def pieces(node: Any) -> list[Any]:
         if isinstance(node, torch.Tensor):
             if node.dim() > 0 and node.shape[0] == total:
-                return list(node.split(size))
+                return list(node.split(cut))
             return [node] * count
         children = _children(node)
         if not children:

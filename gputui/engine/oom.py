@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 # Errors that are out-of-memory in all but type: cuBLAS/cuDNN, the MPS backend and the CPU
 # allocator raise plain RuntimeErrors when memory cannot be had.
@@ -271,17 +273,37 @@ class Buffers:
     """Running statistics (BatchNorm's running_mean, running_var, num_batches_tracked) as they
     were at a step's start: a failed attempt's forward passes updated them, and the replay's
     would again. Only modules that track running statistics are saved (one foreach copy into
-    tensors allocated once): for a model without any, a step pays one truth test."""
+    tensors allocated once): for a model without any, a step pays one truth test.
+
+    The same walk counts `batch_norms`: BatchNorm layers that normalize over the batch they are
+    given (in training mode, or without running statistics), so micro-batching changes what they
+    compute and one sample per micro-batch is an error. InstanceNorm normalizes each sample on its
+    own: micro-batching does not change it, and it is not counted."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.live = [b for m in model.modules() if getattr(m, "track_running_stats", False)
-                     for b in m.buffers(recurse=False)]
-        self.saved = [b.clone() for b in self.live]
+        self.live: list[torch.Tensor] = []
+        self.batch_norms = 0
+        for m in model.modules():
+            if getattr(m, "track_running_stats", False):
+                self.live.extend(m.buffers(recurse=False))
+            if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None):
+                self.batch_norms += 1
+        self.saved = self._copies()
+
+    def _copies(self) -> list[torch.Tensor] | None:
+        """Where save() copies to, or None while a LazyBatchNorm has no buffers yet (its first forward
+        makes them: that step's replay cannot put them back)."""
+        return None if any(is_lazy(b) for b in self.live) else [b.clone() for b in self.live]
 
     def save(self) -> None:
-        if self.live:
-            torch._foreach_copy_(self.saved, self.live)
+        if not self.live:
+            return
+        if self.saved is None:
+            self.saved = self._copies()
+            if self.saved is None:
+                return
+        torch._foreach_copy_(self.saved, self.live)
 
     def restore(self) -> None:
-        if self.live:
+        if self.saved:
             torch._foreach_copy_(self.live, self.saved)

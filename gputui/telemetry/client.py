@@ -166,7 +166,7 @@ _INFO = {"argv": list, "pid": int, "started": _NUMBER, "device": str, "device_na
          "params": int, "trainable": int, "optimizer": str, "epochs": _NUMBER, "max_steps": int,
          "steps_per_epoch": int, "total_steps": int, "micro_batch": int, "amp": str, "checkpointing": bool,
          "checkpointing_unavailable": str, "checkpointing_how": str, "auto_recover": bool,
-         "memory_budget": _NUMBER, "mode": str, "needs_fit": str}
+         "memory_budget": _NUMBER, "mode": str, "needs_fit": str, "batch_norm": int, "min_micro_batch": int}
 _SUMMARY = {"steps": int, "epochs": _NUMBER, "samples": int, "micro_batch": int, "loss": _NUMBER, "stopped": str,
             "amp": str, "checkpointing": bool, "ooms_recovered": int, "elapsed_s": _NUMBER, "error": str}
 _MEMORY = {"device": str, **{name: _NUMBER for name in (

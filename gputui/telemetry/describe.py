@@ -13,6 +13,9 @@ _ACTIONS = {
     "snapshot": "snapshot", "top_tensors": "top tensors", "memory_summary": "memory summary", "pause": "pause", "resume": "resume", "stop": "stop",
 }
 
+BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
+"""Why a model with BatchNorm is never halved below 2: the engine refuses with it, the TUI dims with it."""
+
 
 def _on(flag: Any) -> str:
     return "on" if flag else "off"
@@ -49,6 +52,10 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "stopped": lambda e: f"stopped ({e['reason']})",
     "control_refused": lambda e: f"{_ACTIONS.get(e['action'], e['action'])}: not applied, {e['reason']}",
     "loss_not_finite": lambda e: f"loss is {e['loss']}",
+    "batch_norm_micro_batched": lambda e: (
+        f"BatchNorm now normalizes over micro-batches of {e['micro_batch']} samples, not the global batch of "
+        f"{e['batch_size']}: its statistics (and running averages, updated once per micro-batch) differ from "
+        "full-batch training (GroupNorm or LayerNorm would not)"),
     "thrashing": lambda e: (f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
                             f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"),
     "snapshot_saved": lambda e: (f"memory snapshot{' at the OOM' if e.get('reason') == 'oom' else ''}: {e['path']} "

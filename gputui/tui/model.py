@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..telemetry.controls import AMP_MODES
-from ..telemetry.describe import describe
+from ..telemetry.describe import BATCH_NORM_FLOOR, describe
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import Hub
 from ..telemetry.printable import printable
@@ -336,6 +336,8 @@ class RunView:
         s = self.latest
         if action == "halve_batch" and s is not None and s.micro_batch <= 1:
             return "the micro-batch is already 1"
+        if action == "halve_batch" and s is not None and s.micro_batch <= self.info.get("min_micro_batch", 1):
+            return BATCH_NORM_FLOOR
         if action == "double_batch" and s is not None and s.micro_batch >= s.batch_size:
             return f"the micro-batch already equals the global batch ({s.batch_size})"
         if action == "toggle_checkpointing" and self.info.get("checkpointing_unavailable"):

@@ -215,6 +215,7 @@ MISBEHAVING = {
     "info is a list": wrong(info=[1, 2]),
     "argv holds a dict": wrong(info={"argv": ["x" * 100_000, {"k": "v"}]}),
     "device is a dict": wrong(info={"device": {"a": 1}}),
+    "min_micro_batch is text": wrong(info={"min_micro_batch": "2"}),  # the TUI compares it to a micro-batch
     "summary error is a list": wrong(summary={"error": ["boom"]}),
     "server_started is text": wrong(server_started="yesterday"),
     "history of strings": line(HELLO) + line({"v": 1, "kind": "history",
