@@ -2,10 +2,11 @@
 
 gputui cannot change how such a loop trains, but it can see it: the loss of every backward()
 on a scalar (unscaled when a GradScaler scaled it), every optimizer step (PyTorch's global
-optimizer hooks), the samples each DataLoader batch carried, the memory after each step, and
-the losses the script prints. At a step boundary (after optimizer.step()) it applies what needs
-no loop: free the cache, snapshot, top tensors, pause. An OOM that ends the script gets a
-diagnosis instead of a bare traceback. While gputui.fit runs, the observer stands aside.
+optimizer hooks), the samples and epochs of the DataLoader batches each step trained on
+(fetched.py), the memory after each step, and the losses the script prints. At a step boundary
+(after optimizer.step()) it applies what needs no loop: free the cache, snapshot, top tensors,
+pause. An OOM that ends the script gets a diagnosis instead of a bare traceback. While
+gputui.fit runs, the observer stands aside.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.utils.data.dataloader as dataloader_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..probes import snapshot
-from ..probes.cpu import StateTracker, unpack
+from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
 from ..probes.device import Probe, for_device
 from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors
@@ -30,7 +31,7 @@ from ..telemetry.controls import Control
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.sample import Event, Memory, StepSample
-from .microbatch import batch_size
+from .fetched import Fetched
 from .oom import is_oom
 
 NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
@@ -55,7 +56,7 @@ class Observer:
         self._losses: list[torch.Tensor] = []
         self._unscaled: dict[int, torch.Tensor] = {}
         self._printed: tuple[float, str] | None = None
-        self._pending_samples = 0
+        self.batches = Fetched()
         self._backwards = 0
         self._rate = Rate()
         self._host: Any = None
@@ -63,6 +64,7 @@ class Observer:
         self._started = False
         self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
         self._signalled = False
+        self._hooks: tuple[Any, Any] | None = None  # the saved-tensor hooks around the script
 
     # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
     def on_start(self, info: dict[str, Any]) -> None:
@@ -90,11 +92,13 @@ class Observer:
         original_next = dataloader_module._BaseDataLoaderIter.__next__
         original_scale = torch.amp.GradScaler.scale
         original_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
+        original_compile = torch.compile
         observer = self
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if not observer.fitting:
                 observer._note_backward(tensors)
+                observer.batches.consume()
             observer.phase, observer.failed_in = "backward", None
             try:
                 return original_backward(tensors, *args, **kwargs)
@@ -112,11 +116,14 @@ class Observer:
                 observer._found_optimizer(optimizer)
 
         def next_batch(iterator: Any) -> Any:
-            batch = original_next(iterator)
             try:
-                observer._pending_samples += batch_size(batch)
-            except (ValueError, TypeError):
-                pass
+                batch = original_next(iterator)
+            except StopIteration:
+                if not observer.fitting:
+                    observer.batches.exhausted(iterator)
+                raise
+            if not observer.fitting:
+                observer.batches.fetched(iterator, batch)
             return batch
 
         def zero_grad(original: Any) -> Any:
@@ -133,6 +140,11 @@ class Observer:
                 observer._unscaled[id(scaled)] = outputs.detach()
             return scaled
 
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            compiled = original_compile(*args, **kwargs)
+            observer._hide_hooks()
+            return compiled
+
         hooks = [register_optimizer_step_pre_hook(self._before_step),
                  register_optimizer_step_post_hook(self._after_step)]
         torch.autograd.backward = backward
@@ -141,9 +153,11 @@ class Observer:
         torch.amp.GradScaler.scale = scale
         torch.optim.Optimizer.zero_grad = zero_grad(original_zero[0])
         torch.nn.Module.zero_grad = zero_grad(original_zero[1])
+        torch.compile = compile
         self.hub.add_sink(self)
+        self._hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
                 yield self
         finally:
             torch.autograd.backward = original_backward
@@ -151,11 +165,23 @@ class Observer:
             dataloader_module._BaseDataLoaderIter.__next__ = original_next
             torch.amp.GradScaler.scale = original_scale
             torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = original_zero
+            torch.compile = original_compile
             for hook in hooks:
                 hook.remove()
             self.hub.remove_sink(self)
             if self.tracker is not None:
                 self.tracker.close()
+
+    def _hide_hooks(self) -> None:
+        """The script compiled something: from now on dynamo must not trace the saved-tensor hooks
+        (probes.cpu.hidden_from_dynamo), so they are swapped in place for hidden ones, if they are
+        still the innermost (torch.compile is called at a script's top level, outside any)."""
+        if self._hooks is None or self._hooks[0] != self._pack or _innermost_hooks() != self._hooks:
+            return  # hidden already, not installed, or not the innermost
+        hidden = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*hidden)
+        self._hooks = hidden
 
     # -- what the hooks see ----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -224,15 +250,15 @@ class Observer:
         if self.tracker is not None:
             self.tracker.refresh_optimizer()
         self.steps += 1
-        self.samples += self._pending_samples
-        batch, self._pending_samples = self._pending_samples, 0
+        batch, epoch = self.batches.take()
+        self.samples += batch
         if self._losses:
             self.loss, self.loss_source = float(sum(t.float().sum().item() for t in self._losses)), "backward()"
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
         self._unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
-        self._publish(batch, accumulation)
+        self._publish(batch, accumulation, epoch)
         self._start_step()
         self._boundary()
 
@@ -242,14 +268,14 @@ class Observer:
         if self.tracker is not None:
             self.tracker.start_step()
 
-    def _publish(self, batch: int, accumulation: int) -> None:
+    def _publish(self, batch: int, accumulation: int, epoch: int) -> None:
         assert self.probe is not None
         now = time.monotonic()
         steps_per_s, samples_per_s = self._rate.add(now, self.steps, self.samples)
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
         self.hub.publish(StepSample(
-            t=time.time(), step=self.steps, epoch=0, loss=self.loss, batch_size=batch,
+            t=time.time(), step=self.steps, epoch=epoch, loss=self.loss, batch_size=batch,
             micro_batch=batch // accumulation if batch else 0, accumulation=accumulation, amp=self.amp,
             checkpointing=False, samples_per_s=samples_per_s, memory=self.probe.read(), samples=self.samples,
             host=self._host, loss_source=self.loss_source, steps_per_s=steps_per_s))
@@ -327,10 +353,18 @@ class Observer:
     def finish(self, error: str | None) -> None:
         if not self._started:
             return
-        self.hub.end({"steps": self.steps, "epochs": 0, "samples": self.samples, "micro_batch": None,
-                      "loss": self.loss, "stopped": None, "amp": self.amp, "checkpointing": False,
+        self.hub.end({"steps": self.steps, "epochs": self.batches.epochs_done, "samples": self.samples,
+                      "micro_batch": None, "loss": self.loss, "stopped": None, "amp": self.amp, "checkpointing": False,
                       "ooms_recovered": 0, "elapsed_s": round(time.time() - self.hub.info["started"], 3)
                       if self.hub.info else 0.0, "error": error})
+
+
+def _innermost_hooks() -> Any:
+    """The thread's innermost saved-tensor hooks, or None where torch cannot say."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except (AttributeError, TypeError):  # an older torch, without it or its argument
+        return None
 
 
 def _user_frame(exc: BaseException) -> str:

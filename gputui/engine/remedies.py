@@ -130,7 +130,9 @@ class Checkpointing:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.enabled and torch.is_grad_enabled():
-                if self.on_inputs is not None:
+                # Compiled, the graph saves what it keeps for backward itself (the tracker's pack
+                # hook counts it), and a call out of the graph here would break it at every block.
+                if self.on_inputs is not None and not torch.compiler.is_compiling():
                     self.on_inputs(args)
                 return checkpoint(original, *args, use_reentrant=False, **kwargs)
             return original(*args, **kwargs)

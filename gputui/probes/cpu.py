@@ -15,6 +15,7 @@ not counted again and reports that step's peak.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, ContextManager, Hashable, Iterable
 
@@ -46,6 +47,17 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def hidden_from_dynamo(hook: Any) -> Any:
+    """`hook` made invisible to torch.compile. Autograd calls hooks from inside a compiled model's
+    eager parts (around graph breaks), where dynamo would compile each hook as a frame of its own and
+    recompile it past its limit (grad mode differs between forward and backward), warning each
+    time. Only a program that compiles has torch._dynamo loaded (torch.compile imports it), and
+    importing it costs ~1.5 s, so without it the hook is returned as it is."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return torch.compiler.disable(hook)
+
+
 class StateTracker:
     """Counts training-state bytes as they appear; raises OutOfMemoryError past `budget`.
 
@@ -71,11 +83,15 @@ class StateTracker:
         self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
         self._started = 0.0
         self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
+        self._pack = hidden_from_dynamo(self.pack)
+        self._unpack = hidden_from_dynamo(unpack)
+        self.note_saved = hidden_from_dynamo(self.note_saved)  # a hook too (a checkpointed block's forward)
+        on_grad = hidden_from_dynamo(self._on_grad)
         # Only a budget needs to see each gradient appear (to raise inside backward where it is
         # crossed); without one, counting them once after backward gives the same peak without a
         # Python call per parameter per step (about 4 us each).
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad
+            p.register_post_accumulate_grad_hook(on_grad) for p in self._params if p.requires_grad
         ] if budget is not None else []
         self.sync_grads()
         self.optimizer_bytes = tensor_bytes(state_tensors(optimizer))
@@ -141,7 +157,7 @@ class StateTracker:
         """Around forward: counts each tensor autograd saves for backward (if this step counts)."""
         if not self.counting:
             return _NOT_COUNTING
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def end_micro_batch(self) -> None:
         """After backward: its gradients are all there (counted now unless hooks saw each arrive, the

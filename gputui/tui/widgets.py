@@ -77,7 +77,7 @@ class HeaderBar(Panel):
         if s is not None:
             total, epochs = info.get("total_steps"), info.get("epochs")
             parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
-            if info.get("mode") != "observe":  # an own loop's epochs are not known
+            if info.get("mode") != "observe" or s.epoch:  # an own loop's, once a pass of its data ended
                 parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
             if s.samples_per_s:
                 parts.append((2, f" │ {s.samples_per_s:,.0f} samples/s", ""))

@@ -4,6 +4,7 @@ Each runs under plain python and under `gputui run --headless --metrics`: the ou
 must be the same, and the losses gputui records must be the ones the script computed.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -60,6 +61,28 @@ for step, (xb, yb) in enumerate(loader):
     computed.append(loss.item())
     print({"loss": round(loss.item(), 4), "learning_rate": 0.01, "epoch": round(step / 10, 2)})
 """ + SAVE,
+    "fetch_ahead": PRELUDE + """
+def ahead(loader):  # as accelerate's DataLoaderShard (and so the HF Trainer) does, to know the last batch
+    it = iter(loader)
+    current = next(it)
+    for upcoming in it:
+        yield current
+        current = upcoming
+    yield current
+
+val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:64], y[:64]), batch_size=16)
+for epoch in range(2):
+    for step, (xb, yb) in enumerate(ahead(loader)):
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward(); opt.step(); opt.zero_grad()
+        computed.append(loss.item())
+        if epoch == 1 and step == 4:
+            break  # stopped mid-epoch: the batch fetched ahead was never trained on
+    with torch.no_grad():  # an evaluation, and one fetching with gradients on (HF's evaluation loop does)
+        val_loss = sum(nn.functional.cross_entropy(model(xv), yv).item() for xv, yv in val) / len(val)
+    outputs = [model(xv).sum() for xv, yv in val]
+    print(f"step {len(computed)}: train loss {computed[-1]:.4f}, val loss {val_loss:.4f}")
+""" + SAVE,
     "argv_and_file": PRELUDE + """
 steps = int(sys.argv[1]); out = sys.argv[2]
 for step in range(steps):
@@ -109,8 +132,17 @@ def test_own_loop_runs_unchanged_and_its_losses_are_recorded(tmp_path, name):
     assert {s["loss_source"] for s in steps} == {"backward()"}
     if name == "argv_and_file":
         assert (our_dir / "model.pt").read_bytes() != b"" and (plain_dir / "model.pt").exists()
-    else:
-        assert steps[-1]["batch_size"] == 32 and steps[-1]["samples"] == 32 * len(steps)
+    else:  # each step counts the batch it trained on, in the epoch it was fetched in
+        assert [(s["batch_size"], s["samples"]) for s in steps] == [(32, 32 * s["step"]) for s in steps]
+        epochs, done = EPOCHS[name]
+        assert [s["epoch"] for s in steps] == epochs
+        assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == done
+
+
+EPOCHS = {  # name: (each step's epoch, from 0; the epochs completed)
+    "tqdm": ([0] * 10 + [1] * 10, 2), "every_n": ([0] * 10, 1), "dict_logs": ([0] * 10, 1),
+    "fetch_ahead": ([0] * 10 + [1] * 5, 1),
+}
 
 
 NUMPY_WARNING = ""  # torch's "Failed to initialize NumPy" warning, which gputui filters, is matched below
@@ -188,3 +220,90 @@ for step in range(200):
     assert err.splitlines()[-1].startswith("gputui: my_grows.py failed: OutOfMemoryError: CPU memory budget exceeded")
     oom = [json.loads(x) for x in metrics.read_text().splitlines() if '"name":"oom"' in x]
     assert oom and oom[0]["diagnosis"] is True and oom[0]["top"] and oom[0]["where"].startswith("my_grows.py:")
+
+
+def test_a_compiled_model_is_watched_without_recompiles(tmp_path):
+    """The observer's saved-tensor hooks are installed before the script compiles anything; an op
+    dynamo cannot put in a graph (a boolean mask) runs eagerly inside the compiled frame and saves
+    tensors through them, and dynamo must not compile them (recompiling past its limit, warning)."""
+    code = PRELUDE + """
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, x):
+        h = self.inner[1](self.inner[0](x))
+        return self.inner[2](h[h.sum(dim=1) > -1e9])  # data-dependent shape: a graph break
+
+compiled = torch.compile(Masked(), backend="aot_eager")
+for step, (xb, yb) in enumerate(loader):
+    loss = nn.functional.cross_entropy(compiled(xb), yb)
+    loss.backward(); opt.step(); opt.zero_grad()
+    computed.append(loss.item())
+""" + SAVE
+    metrics = tmp_path / "m.jsonl"
+    done, folder = run(tmp_path, "compiled", code, [], ["--metrics", str(metrics), "--memory-budget", "1GiB"])
+    assert done.returncode == 0, done.stderr
+    assert "torch._dynamo" not in done.stderr and "recompil" not in done.stderr, done.stderr
+    steps = steps_of(metrics)
+    assert [s["loss"] for s in steps] == pytest.approx(json.loads((folder / "computed.json").read_text()), rel=1e-6)
+    assert steps[-1]["peak"] > steps[-1]["memory"]["params"]  # the saved activations were counted
+
+
+def installed(name):
+    return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed "
+                              "(pip install -e '.[integration]')")
+
+
+@installed("transformers")
+def test_hugging_face_trainer_steps_count_the_batches_they_train_on(tmp_path):
+    """The Trainer fetches a batch ahead (accelerate) and prints its logs with quoted values
+    (transformers 5); built from a config, nothing is downloaded."""
+    code = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+class Tokens(torch.utils.data.Dataset):
+    ids = torch.randint(64, (40, 8))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, max_steps=7, logging_steps=1,
+                         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=Tokens()).train()
+"""
+    metrics = tmp_path / "m.jsonl"
+    done, _ = run(tmp_path, "hf_trainer", code, [], ["--metrics", str(metrics)])
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(metrics)  # 5 batches of 8 an epoch; stopped 2 steps into the second
+    assert [(s["batch_size"], s["samples"], s["epoch"]) for s in steps] == \
+        [(8, 8 * n, 0) for n in range(1, 6)] + [(8, 48, 1), (8, 56, 1)]
+    assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == 1
+
+
+@installed("accelerate")
+def test_accelerate_loop_with_accumulation_counts_batches_and_epochs(tmp_path):
+    code = PRELUDE + """
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model, opt, loader = accelerator.prepare(model, opt, loader)
+for epoch in range(2):
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            accelerator.backward(loss); opt.step(); opt.zero_grad()
+"""
+    metrics = tmp_path / "m.jsonl"
+    done, _ = run(tmp_path, "accelerate_loop", code, [], ["--metrics", str(metrics)])
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(metrics)  # 10 batches of 32 an epoch, two a step
+    assert [(s["batch_size"], s["accumulation"], s["samples"], s["epoch"]) for s in steps] == \
+        [(64, 2, 64 * n, int(n > 5)) for n in range(1, 11)]
+    assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == 2

@@ -39,3 +39,25 @@ def test_parser_splits_on_carriage_returns_and_newlines():
                   "25]", "\nstep 3 loss: 2.0\n", "partial loss=1.0"]:
         parser.feed(piece)
     assert seen == [2.5, 2.25, 2.0]
+
+
+@pytest.mark.parametrize("line, value, style", [
+    ("{'loss': '6.034', 'grad_norm': '1.241', 'learning_rate': '4.9e-05', 'epoch': '0.02'}", 6.034,
+     "printed (Hugging Face Trainer)"),  # transformers 5 quotes the values
+    ('{"loss": "0.25", "epoch": 1}', 0.25, "printed"),
+    ("Epoch 1:  40%|████      | 40/100 [00:01<00:02, 30.00it/s, v_num=0, train_loss=0.693, val_loss=0.512]", 0.693,
+     "printed (Lightning)"),  # the live training loss beside the last validation's
+])
+def test_quoted_values_and_progress_bars_beside_a_validation_loss(line, value, style):
+    assert loss_in(line) == (pytest.approx(value), style)
+
+
+@pytest.mark.parametrize("line", [
+    "step 0: train loss 4.8681, val loss 4.8680",  # nanoGPT's evaluation
+    "step 2000: train loss 1.7592, val loss 1.9056",
+    "epoch 3 | loss 0.512 | val_loss 0.601",
+    "Epoch 3/10 - loss: 0.4123 - val_loss: 0.4511",
+    "{'eval_loss': '0.41', 'eval_runtime': '1.2', 'epoch': '1.0'}",
+])
+def test_an_evaluation_report_is_not_a_training_loss(line):
+    assert loss_in(line) is None
