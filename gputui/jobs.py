@@ -116,7 +116,7 @@ def row(job: Job) -> dict[str, Any]:
         error = str(_failed(job, exc))
     else:
         return _row(job, welcome)
-    return {"pid": job.pid, "socket": job.path, "error": error, "summary": f"{job.pid:>7}  not answering  {job.path}"}
+    return {"pid": job.pid, "socket": job.path, "error": error, "summary": f"{job.pid:>7}  {'?':<16} {'-':<8} {'no answer':<9} {'-':>11}  {'-':>9}  {job.path}"}
 
 
 def _row(job: Job, welcome: Welcome) -> dict[str, Any]:

@@ -27,6 +27,10 @@ MAX_SERVER_LINE = 8 * 2**20
 MAX_DEPTH = 32
 """Nesting a server record may have: the deepest real one (gpus: devices, processes) has 5."""
 
+MAX_INT = 2**63
+"""Largest integer a server record may hold: counters and bytes fit in 64 bits, and a float()
+or a format of a 400-digit integer raises where the screen shows it."""
+
 CLIENT_KINDS = ("hello", "control")
 
 
@@ -82,21 +86,28 @@ def parse_client(line: bytes) -> dict[str, Any]:
 
 def parse_server(line: bytes) -> dict[str, Any]:
     """A server's line as a dict with a known version and a kind, every string in it (keys too)
-    stripped of escape sequences and control characters; ProtocolError otherwise."""
-    return _printable(_object(line, MAX_SERVER_LINE), 0)
+    stripped of escape sequences and control characters, and of newlines but in a `text` (a
+    report: a fake argv must not print a row of its own in `gputui jobs`), every number one that
+    Python can format (no NaN, no 400-digit integer); ProtocolError otherwise."""
+    return _printable(_object(line, MAX_SERVER_LINE), 0, None)
 
 
-def _printable(value: Any, depth: int) -> Any:
+def _printable(value: Any, depth: int, key: str | None) -> Any:
     if isinstance(value, str):
-        return printable(value)
+        text = printable(value)
+        return text if key == "text" else text.replace("\n", " ")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{key!r} is not a finite number")
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise ProtocolError(f"{key!r} is an integer past 64 bits")
     if isinstance(value, dict):
         if depth >= MAX_DEPTH:
             raise ProtocolError(f"a record nested deeper than {MAX_DEPTH} levels")
-        return {printable(k): _printable(v, depth + 1) for k, v in value.items()}
+        return {printable(k).replace("\n", " "): _printable(v, depth + 1, k) for k, v in value.items()}
     if isinstance(value, list):
         if depth >= MAX_DEPTH:
             raise ProtocolError(f"a record nested deeper than {MAX_DEPTH} levels")
-        return [_printable(v, depth + 1) for v in value]
+        return [_printable(v, depth + 1, key) for v in value]
     return value
 
 

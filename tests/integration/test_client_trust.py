@@ -220,6 +220,16 @@ MISBEHAVING = {
     "server_started is text": wrong(server_started="yesterday"),
     "history of strings": line(HELLO) + line({"v": 1, "kind": "history",
                                               "series": {"loss": {"steps": ["a"], "values": [], "stride": 1}}}),
+    # Numbers JSON allows and Python cannot format or convert: int(inf), float(10**400)
+    "server_started is Infinity": wrong(server_started=float("inf")),
+    "server_started is NaN": wrong(server_started=float("nan")),
+    "event time of 400 digits": line(HELLO) + line({"v": 1, "kind": "event", "t": 10**400, "step": 1,
+                                                    "name": "paused"}) + line({"v": 1, "kind": "live"}),
+    "freed bytes of 400 digits": line(HELLO) + line({"v": 1, "kind": "event", "t": 1.0, "step": 1,
+                                                     "name": "cache_freed", "bytes": 10**400, "reserved_before": 1,
+                                                     "reserved_after": 0}) + line({"v": 1, "kind": "live"}),
+    "allocated of 400 digits": line(HELLO) + line({**STEP, "memory": {"device": "cpu", "allocated": 10**400}})
+    + line({"v": 1, "kind": "live"}),
 }
 
 
@@ -230,6 +240,15 @@ def test_misbehaving_servers_get_one_line_and_exit_1(env, folder, fake, case):
     for args in (["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"], ["jobs"], ["jobs", "--json"]):
         done = gputui(env, *args)
         assert_one_line_error(done, str(os.getpid()))
+
+
+def test_a_job_cannot_print_rows_of_its_own_or_reverse_text(env, folder, fake):
+    os.mkdir(folder, 0o700)
+    fake(os.path.join(folder, f"{os.getpid()}.sock"),
+         wrong(info={"argv": ["x.py\n  31337  fake.py  cpu  training"], "device": "cpu\u202egnp.exe"}))
+    done = gputui(env, "jobs")
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 2 and "\u202e" not in done.stdout, done.stdout
 
 
 def test_huge_fields_are_listed_within_bounds(env, folder, fake):

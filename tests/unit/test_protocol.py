@@ -90,10 +90,23 @@ def test_server_strings_lose_escape_sequences_and_controls_keys_and_nested_value
     escapes = "\x1b[2J\x1b]0;t\x07\x9b31m\r\x00\x7f"
     raw = json.dumps({"v": 1, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}],
                       "n": 3}).encode()
-    assert parse_server(raw) == {"v": 1, "kind": "hello", "k": ["a", {"": "multi\nline\ttab"}], "n": 3}
+    assert parse_server(raw) == {"v": 1, "kind": "hello", "k": ["a", {"": "multi line\ttab"}], "n": 3}
 
 
 def test_a_version_error_quotes_at_most_a_few_characters():
     with pytest.raises(ProtocolError) as caught:
         parse_server(json.dumps({"v": "x" * 10_000, "kind": "hello"}).encode())
     assert len(str(caught.value)) < 100
+
+
+def test_server_strings_keep_newlines_only_in_a_report_and_lose_bidi_overrides():
+    raw = json.dumps({"v": 1, "kind": "event", "name": "memory_summary", "text": "line 1\nline 2",
+                      "argv": ["a\nb", "\u202eevil"]}).encode()
+    assert parse_server(raw)["text"] == "line 1\nline 2"
+    assert parse_server(raw)["argv"] == ["a b", "evil"]
+
+
+@pytest.mark.parametrize("number", [b"Infinity", b"-Infinity", b"NaN", b"1e400", b"1" + b"0" * 400])
+def test_server_numbers_python_cannot_handle_are_refused(number):
+    with pytest.raises(ProtocolError):
+        parse_server(b'{"v": 1, "kind": "step", "loss": ' + number + b"}")
