@@ -146,6 +146,9 @@ def _run(options: argparse.Namespace) -> int:
     try:
         if options.headless:
             survive_hangup()
+            # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
+            # the TUI and in fit; else a save would replay a second one into the ignore and go on.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             hub.add_sink(ProgressLine(sys.stdout))
             return run_script(options.script, options.args, observe=hub)
         from .tui.runner import run_tui

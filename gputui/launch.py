@@ -80,12 +80,17 @@ def _observed(hub: Any) -> Iterator[Any]:
     observer = Observer(hub, budget=hub.overrides.memory_budget)
     parser = LossParser(observer.printed)
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Tee(sys.stdout, parser.feed), _Tee(sys.stderr, parser.feed)
+    tees = sys.stdout, sys.stderr = _Tee(sys.stdout, parser.feed), _Tee(sys.stderr, parser.feed)
     try:
         with observer.installed():
             yield observer
     finally:
-        sys.stdout, sys.stderr = streams
+        # Only where still ours: a script that outlives the TUI (finishing a save after a quit) must
+        # not put back the app's print capture over the terminal's streams the app restored.
+        if sys.stdout is tees[0]:
+            sys.stdout = streams[0]
+        if sys.stderr is tees[1]:
+            sys.stderr = streams[1]
 
 
 def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe: Any = None) -> int:

@@ -5,19 +5,19 @@ away (SIGHUP: an SSH session dropped, a tmux window killed; or a hang-up termina
 a local run closes the app and goes on headless: the training thread keeps training, the
 socket keeps serving, and the process exits with the script's code when it ends. SIGTERM and
 SIGINT act as they do headless: the fit stops after its step, the script finishes (its save
-runs), the app closes; a second one stops the script at once.
+runs), the app closes; a second one stops the script at once, or right after a save in progress.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
 import threading
 from typing import Any
 
+from .. import interrupts
 from ..launch import detach_from_terminal, run_script
 from .app import GputuiApp
 from .model import LocalSource, OutputLog
@@ -40,9 +40,9 @@ class _Terminated(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
-def _raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
-    """Raise `exc` in `thread` at its next bytecode, as a signal does in the main thread."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(exc))
+def _announce(path: str) -> None:
+    sys.stderr.write(f"gputui: waiting for the save of {path} to finish\n")
+    sys.stderr.flush()
 
 
 def _schedule(callback: Any, *args: Any) -> None:
@@ -85,10 +85,10 @@ def _install_signals(app: GputuiApp, hub: Any, terminal: Terminal, hung_up: list
             hub.stop_signal = STOPS[signum]
             _schedule(_leave_when_done, app, signum)
             return
-        thread = app.training_thread  # the second one: stop now, as headless does
+        thread = app.training_thread  # the second one: stop now (after a save), as headless does
         if thread is not None and thread.is_alive() and not raised:
             raised.append(True)
-            _raise_in(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
+            interrupts.interrupt(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
         _schedule(app.exit, 128 + signum)
 
     signal.signal(signal.SIGHUP, hangup)
@@ -99,7 +99,7 @@ def _install_signals(app: GputuiApp, hub: Any, terminal: Terminal, hung_up: list
 def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     output = OutputLog()
     hung_up: list[bool] = []
-    raised: list[bool] = []  # an exception was raised in the script's thread to stop it at once
+    raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
     with guarded_terminal(output.write) as terminal:  # what C code writes joins the script's log
         app = GputuiApp(LocalSource(hub), script=os.path.basename(script),
                         runner=lambda err: run_script(script, args, err=err, observe=hub), refresh=refresh,
@@ -114,10 +114,11 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
         return app.script_code if app.script_code is not None else 0
     if thread is not None and thread.is_alive():
         # A quit at once (a second q, Ctrl-C or signal): stop the script as a second Ctrl-C would,
-        # so its finally blocks run (a save's temporary file goes, fit writes its end record).
+        # once its save (if any) is whole, so its finally blocks run (fit writes its end record).
         # A thread blocked in C cannot be interrupted: it gets a moment, then is left behind.
         if not raised:
-            _raise_in(thread, KeyboardInterrupt)
+            interrupts.interrupt(thread, KeyboardInterrupt)
+        interrupts.wait_for_saves(_announce)
         thread.join(UNWIND_S)
     if app.return_code:  # the app itself failed: its report went to the captured output
         lines = output.tail(60)
@@ -131,10 +132,10 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     if app.view.failure:
         sys.stderr.write(app.view.failure if app.view.failure.endswith("\n") else app.view.failure + "\n")
     if thread is not None and thread.is_alive():
-        # The script did not unwind: nothing more to wait for, and joining it could hang.
+        # The script did not unwind: joining it could hang, but a save it started is finished.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        interrupts.exit_after_saves(code, _announce)
     return code
 
 

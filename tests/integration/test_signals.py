@@ -55,10 +55,11 @@ def write_script(tmp_path, steps=100_000, before="", after=""):
 class Tui:
     """`gputui run` on a pseudo-terminal (optionally under a shell command), its screen drained."""
 
-    def __init__(self, env, tmp_path, script, shell=None):
+    def __init__(self, env, tmp_path, script, shell=None, args=()):
         self.metrics, self.out = tmp_path / "m.jsonl", tmp_path / "out.pt"
         self.sockets = os.path.join(env["XDG_RUNTIME_DIR"], "gputui")
-        argv = [sys.executable, "-m", "gputui", "run", "--metrics", str(self.metrics), str(script), str(self.out)]
+        argv = [sys.executable, "-m", "gputui", "run", "--metrics", str(self.metrics), str(script), str(self.out),
+                *map(str, args)]
         if shell is not None:
             argv = ["/bin/sh", "-c", shell + ' "$@"', "sh", *argv]
         self.pid, self.master = pty.fork()
@@ -126,8 +127,8 @@ class Tui:
 def tui(env, tmp_path):
     runs = []
 
-    def start(script, shell=None):
-        runs.append(Tui(env, tmp_path, script, shell))
+    def start(script, shell=None, args=()):
+        runs.append(Tui(env, tmp_path, script, shell, args))
         return runs[-1]
 
     yield start
@@ -223,9 +224,32 @@ class Slow:
             time.sleep(0.01)
         return (str, ("slow",))
 
+print("saving", flush=True)
 gputui.save({"big": torch.ones(1 << 20), "slow": Slow()}, sys.argv[1])
 print("after the save")
 """
+
+
+def signal_mid_save(proc, sig, saving, go):
+    """Send `sig` while SLOW_SAVE is held mid-write, then let the save go on; returns stdout, stderr."""
+    try:
+        deadline = time.monotonic() + 60
+        while not saving.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        go.touch()
+        return proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+
+
+def assert_saved_whole(out):
+    import torch
+
+    saved = torch.load(out, weights_only=False)  # the test's own file: "slow" pickles as str("slow")
+    assert saved["slow"] == "slow" and saved["big"].sum() == 1 << 20
+    assert [p for p in os.listdir(out.parent) if p.endswith(".tmp")] == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -237,20 +261,63 @@ def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, sig):
     torch.save({"old": True}, out)
     proc = subprocess.Popen([sys.executable, str(path), str(out), str(saving), str(go)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not saving.exists():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.02)
-        proc.send_signal(sig)
-        go.touch()
-        stdout, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    stdout, _ = signal_mid_save(proc, sig, saving, go)
     assert proc.returncode != 0 and "after the save" not in stdout, "the signal still ends the script"
-    saved = torch.load(out, weights_only=False)  # the test's own file: "slow" pickles as str("slow")
-    assert saved["slow"] == "slow" and saved["big"].sum() == 1 << 20
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert_saved_whole(out)
+
+
+def held_save(tmp_path, tui):
+    """The TUI running SLOW_SAVE, held mid-write; returns the run and the file that lets it go on."""
+    path, saving, go = tmp_path / "save.py", tmp_path / "saving", tmp_path / "go"
+    path.write_text(SLOW_SAVE)
+    run = tui(path, args=(saving, go))
+    run.wait_for(saving.exists)
+    return run, go
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_in_the_tui_stops_the_script_once_its_save_is_whole(tmp_path, tui, sig):
+    run, go = held_save(tmp_path, tui)
+    os.kill(run.pid, sig)  # the first: the script finishes
+    run.wait_for(lambda: b"Again" in run.screen)
+    os.kill(run.pid, sig)  # the second: at once, but not mid-save
+    run.wait_for(lambda: b"waiting for the save of " in run.screen)
+    go.touch()
+    assert run.exit_code() == 128 + sig
+    assert_saved_whole(run.out)
+    assert b"after the save" not in run.screen, "the stop lands right after the save"
+    assert b"save.py printed (last 1 lines" in run.screen, "the terminal's stdout is back once the script ends"
+    assert os.listdir(run.sockets) == []
+
+
+def test_a_forced_quit_waits_for_the_save(tmp_path, tui):
+    run, go = held_save(tmp_path, tui)
+    os.write(run.master, b"q")  # asks: the script is running
+    run.wait_for(lambda: b"Stop after the current step" in run.screen)
+    os.write(run.master, b"q")  # yes
+    run.wait_for(lambda: b"q again" in run.screen)
+    os.write(run.master, b"q")  # at once
+    run.wait_for(lambda: b"waiting for the save of " in run.screen)
+    go.touch()
+    assert run.exit_code() == 130
+    assert_saved_whole(run.out)
+    assert b"after the save" not in run.screen and b"save.py printed (last 1 lines" in run.screen
+
+
+def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, env):
+    # Started ignoring SIGINT, as a shell script's `cmd &` does: gputui still stops on it, as fit and
+    # the TUI do, instead of the save replaying it into the ignore.
+    path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
+    path.write_text(SLOW_SAVE)
+    argv = [sys.executable, "-m", "gputui", "run", "--headless", str(path), str(out), str(saving), str(go)]
+    ignoring = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                f"os.execv({sys.executable!r}, {argv!r})")
+    proc = subprocess.Popen([sys.executable, "-c", ignoring], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    stdout, stderr = signal_mid_save(proc, signal.SIGINT, saving, go)
+    assert proc.returncode == 130 and "after the save" not in stdout, stderr
+    assert "gputui: save.py interrupted" in stderr and "Traceback" not in stderr
+    assert_saved_whole(out)
 
 
 OWN_LOOP = """

@@ -16,7 +16,7 @@ def modules_after(code: str) -> set[str]:
     "gputui", "gputui.cli", "gputui.units", "gputui.launch", "gputui.telemetry.hub",
     "gputui.telemetry.controls", "gputui.telemetry.progress", "gputui.telemetry.jsonl",
     "gputui.telemetry.describe", "gputui.telemetry.history", "gputui.engine.result", "gputui.probes.nvml",
-    "gputui.watch",
+    "gputui.watch", "gputui.interrupts",
 ])
 def test_no_torch_no_textual(module):
     loaded = modules_after(f"import {module}")
