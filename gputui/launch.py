@@ -2,16 +2,17 @@
 
 The script sees its own ARGS in sys.argv and its folder first on sys.path. Whatever goes wrong
 comes back as an exit code and a short report without gputui's own frames: the script's
-traceback is the user's business, runpy's and ours are noise.
+traceback is the user's business, ours is noise.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
-import runpy
 import sys
 import traceback
+import types
 from typing import Any, Callable, Iterator, TextIO
 
 from .engine.result import FitError  # no torch: result.py holds plain dataclasses
@@ -19,8 +20,6 @@ from .telemetry.describe import diagnosis_text
 
 _HIDDEN = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    runpy.__file__,
-    "<frozen runpy>",
     os.path.join("torch", "nn", "modules", "module.py"),
 )
 
@@ -43,7 +42,7 @@ def _hidden(filename: str) -> bool:
 
 
 def user_traceback(exc: BaseException) -> str:
-    """The traceback with gputui's, runpy's and torch's module-call frames left out."""
+    """The traceback with gputui's and torch's module-call frames left out."""
     te = traceback.TracebackException.from_exception(exc)
     pending = [te]
     while pending:
@@ -93,6 +92,24 @@ def _observed(hub: Any) -> Iterator[Any]:
             sys.stderr = streams[1]
 
 
+def _run_main(path: str) -> None:
+    """Execute the file as `python path` does: in a fresh `__main__` (classes defined there pickle
+    as `__main__.X`), with `__file__` absolute and `sys.argv[0]` left as given. runpy.run_path
+    would make argv[0] the path it is handed, so an absolute `__file__` would leak into argv."""
+    file = os.path.abspath(path)
+    with open(file, "rb") as source:  # bytes: compile() honours the file's encoding declaration
+        code = compile(source.read(), file, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None, __builtins__=builtins)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
 def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe: Any = None) -> int:
     """Run `path` as __main__ with `args`; returns the exit code `python path args` would give.
 
@@ -110,7 +127,7 @@ def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     failure: str | None = None
     try:
-        runpy.run_path(path, run_name="__main__")
+        _run_main(path)
         return 0
     except SystemExit as exc:
         if exc.code is None or exc.code == 0:

@@ -307,3 +307,14 @@ for epoch in range(2):
     assert [(s["batch_size"], s["accumulation"], s["samples"], s["epoch"]) for s in steps] == \
         [(64, 2, 64 * n, int(n > 5)) for n in range(1, 11)]
     assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == 2
+
+
+def test_file_and_argv0_are_what_python_sets(tmp_path):
+    (tmp_path / "where.py").write_text("import sys\nprint(__file__, sys.argv[0], __name__)\n")
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    plain = subprocess.run([sys.executable, "where.py"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=60)
+    ours = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", "where.py"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=60)
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == plain.stdout == f"{tmp_path / 'where.py'} where.py __main__\n"
