@@ -264,6 +264,9 @@ class ConfirmQuit(ModalScreen[bool]):
 class FailureScreen(Overlay):
     """The script failed: its traceback and what to do, over the figures it reached."""
 
+    BINDINGS = [Binding("escape", "dismiss", "figures"), Binding("l", "app.log", "output"),
+                Binding("q", "app.quit", "quit")]  # as its text says (the main screen's keys are not bound here)
+
     def compose(self) -> ComposeResult:
         v = self.view
         head = Text(f"{v.script} failed (exit code {v.exit_code}).", style="bold red")

@@ -145,6 +145,19 @@ async def test_a_failing_script_leaves_the_app_up_with_its_traceback(make_app, h
     assert app.return_value == 1
 
 
+async def test_the_failure_screen_keys_do_what_it_says(make_app, hub):
+    app = make_app(fail="if len(calls) > 4: raise ValueError('bad label')")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, FailureScreen))
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, FailureScreen)
+        await pilot.press("q")  # "q quits with its exit code"
+        await until(pilot, lambda: app.return_value is not None)
+    assert app.return_value == 1
+
+
 async def test_oom_dialog_when_auto_recover_is_off(make_app, hub):
     app = make_app(batch=64, extra="auto_recover=False, memory_budget='40KiB'")
     async with app.run_test(size=(100, 30)) as pilot:
