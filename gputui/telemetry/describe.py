@@ -33,7 +33,8 @@ def _top(e: Event) -> str:
     rows = e.get("rows") or []
     head = ", ".join(f"{r['count']} x {tuple(r['shape'])} {r['dtype']} {format_bytes(r['bytes'])}" for r in rows[:3])
     partial = "" if e.get("complete", True) else " (scan cut short)"
-    return f"top tensors: {format_bytes(e.get('total_bytes'))} in {e.get('tensors')} tensors{partial}; {head}"
+    return f"top tensors: {format_bytes(e.get('total_bytes'))} in {e.get('tensors')} tensors{partial}" + \
+        (f"; largest {head}" if head else "")
 
 
 _TEXT: dict[str, Callable[[Event], str]] = {

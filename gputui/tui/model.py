@@ -245,11 +245,9 @@ class RunView:
         elif e.name == "oom" and e.get("waiting"):
             self.waiting_oom = e
         elif e.name == "top_tensors":
-            self.top = e
-            return  # shown on its own screen, not as a timeline line
+            self.top = e  # the table is on its own screen; the timeline says the request was answered
         elif e.name == "memory_summary":
             self.cuda_summary = e.get("text")
-            return
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
         kind = {"control_refused": "refused", "oom": "oom", "oom_recovered": "oom", "thrashing": "oom",

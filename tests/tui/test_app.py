@@ -181,6 +181,8 @@ async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
         top = app.view.top
         assert "parameter" in roles and table.row_count > 3, {k: top.get(k) for k in
                                                               ("complete", "scanned", "elapsed_s", "groups", "rows")}
+        timeline = text(app, "#timeline")  # every request is answered there, this one too
+        assert "requested: top tensors" in timeline and "✓ top tensors:" in timeline, timeline
 
 
 OWN_LOOP = """
