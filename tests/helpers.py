@@ -147,3 +147,35 @@ def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+class RequestAt:
+    """A hub sink that requests `action` once the loop has published step `n`."""
+
+    def __init__(self, hub, n, action, value=None):
+        self.hub, self.n, self.action, self.value = hub, n, action, value
+
+    def on_start(self, info): pass
+    def on_event(self, event): pass
+    def on_end(self, summary): pass
+
+    def on_sample(self, sample):
+        if sample.step == self.n:
+            self.hub.controls.request(self.action, self.value)
+
+
+def thrashing_allocator(monkeypatch) -> None:
+    """fit's probe reports allocator retries growing at every step, as a thrashing CUDA allocator would."""
+    import dataclasses
+
+    import gputui.engine.loop as loop
+
+    real = loop.for_device
+
+    def thrashing_probe(device, tracker, **kwargs):
+        probe = real(device, tracker, **kwargs)
+        read, count = probe.read, iter(range(0, 1000, 2))
+        probe.read = lambda: dataclasses.replace(read(), alloc_retries=next(count))
+        return probe
+
+    monkeypatch.setattr(loop, "for_device", thrashing_probe)

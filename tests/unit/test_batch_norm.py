@@ -2,7 +2,6 @@
 micro-batch of 1 sample for it (PyTorch's ValueError mid-step), and stops with a FitError that
 says what to do when memory runs out at 2."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from gputui.engine.microbatch import sizes, split
 from gputui.engine.oom import Buffers
 from gputui.telemetry.describe import BATCH_NORM_FLOOR, describe
 from gputui.tui.model import LocalSource, RunView
-from helpers import assert_same_buffers, assert_same_weights, twins
+from helpers import RequestAt, assert_same_buffers, assert_same_weights, thrashing_allocator, twins
 
 FLOOR_ERROR = "BatchNorm needs at least 2 samples per micro-batch, so it cannot be halved again"
 
@@ -95,17 +94,7 @@ def test_halving_a_micro_batch_of_3_gives_2_and_then_is_refused(hub):
 
 
 def test_thrashing_halves_no_further_than_2(hub, monkeypatch):
-    import gputui.engine.loop as loop
-
-    real = loop.for_device
-
-    def thrashing_probe(device, tracker, **kwargs):  # the allocator retries more at every step
-        probe = real(device, tracker, **kwargs)
-        read, count = probe.read, iter(range(0, 1000, 2))
-        probe.read = lambda: dataclasses.replace(read(), alloc_retries=next(count))
-        return probe
-
-    monkeypatch.setattr(loop, "for_device", thrashing_probe)
+    thrashing_allocator(monkeypatch)
     model = BnNet()
     result = gputui.fit(model, batches(14, 8), step, sgd(model))
     thrash = [(e["micro_batch"], e["micro_batch_to"]) for e in result.events if e.name == "thrashing"]
@@ -128,21 +117,6 @@ def test_norms_that_do_not_depend_on_the_batch_train_at_micro_batch_1(hub, make)
     assert not any(e.name == "batch_norm_micro_batched" for e in result.events)
 
 
-class HalveAfter:
-    """A sink that asks for a halving once the loop has published step `n`."""
-
-    def __init__(self, hub, n):
-        self.hub, self.n = hub, n
-
-    def on_start(self, info): pass
-    def on_event(self, event): pass
-    def on_end(self, summary): pass
-
-    def on_sample(self, sample):
-        if sample.step == self.n:
-            self.hub.controls.request("halve_batch")
-
-
 def test_said_once_when_training_first_goes_micro_batched(hub):
     model = BnNet()
     calls = [0]
@@ -153,7 +127,7 @@ def test_said_once_when_training_first_goes_micro_batched(hub):
             raise torch.OutOfMemoryError("out of memory")
         return step(m, batch)
 
-    hub.add_sink(HalveAfter(hub, 2))  # a second way to a smaller micro-batch: nothing new to say
+    hub.add_sink(RequestAt(hub, 2, "halve_batch"))  # a second way to a smaller micro-batch: nothing new to say
     result = gputui.fit(model, batches(4, 8), failing, sgd(model))
     names = [e.name for e in result.events]
     assert names == ["oom_recovered", "batch_norm_micro_batched", "micro_batch_changed"]

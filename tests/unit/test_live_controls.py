@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gputui
-from helpers import ConvNet, conv_batches, conv_step, on_event
+from helpers import ConvNet, RequestAt, conv_batches, conv_step, on_event
 
 
 class Recorder:
@@ -32,21 +32,6 @@ def counting_sgd(model):
             return super().step(closure)
 
     return Counting(model.parameters(), lr=0.01), count
-
-
-class StopAt:
-    """A sink that asks the loop to stop once it has published step `n`."""
-
-    def __init__(self, hub, n):
-        self.hub, self.n = hub, n
-
-    def on_start(self, info): pass
-    def on_event(self, event): pass
-    def on_end(self, summary): pass
-
-    def on_sample(self, sample):
-        if sample.step == self.n:
-            self.hub.controls.request("stop")
 
 
 def test_controls_never_apply_inside_an_accumulation_window(hub):
@@ -84,7 +69,7 @@ def test_controls_never_apply_inside_an_accumulation_window(hub):
 
 def test_each_control_applied_at_the_next_boundary_with_an_event(hub):
     model = ConvNet()
-    hub.add_sink(StopAt(hub, 6))
+    hub.add_sink(RequestAt(hub, 6, "stop"))
     for action, value in [("halve_batch", None), ("halve_batch", None), ("set_amp", "bf16"),
                           ("set_checkpointing", True), ("set_auto_recover", False), ("free_cache", None),
                           ("free_cache", None), ("double_batch", None)]:
@@ -111,7 +96,7 @@ def test_refused_controls_say_why(hub):
     for action, value in [("double_batch", None), ("set_amp", "off"), ("set_checkpointing", True),
                           ("resume", None), ("set_auto_recover", True)]:
         hub.controls.request(action, value)
-    hub.add_sink(StopAt(hub, 1))
+    hub.add_sink(RequestAt(hub, 1, "stop"))
     result = gputui.fit(model, conv_batches(3, 1), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     reasons = [e["reason"] for e in result.events if e.name == "control_refused"]
     assert reasons == ["the micro-batch already equals the global batch (1)", "AMP is already off",

@@ -1,6 +1,5 @@
 """Readings the panels show: CUDA figures from a recorded memory_stats(), NVML's view, top tensors."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import gputui
 from gputui.probes.cuda import NvmlView, memory_from_stats
 from gputui.probes.tensors import top_tensors
 from gputui.telemetry.sample import GpuDevice, GpuProcess, GpuReading, Memory
-from helpers import ConvNet, conv_batches, conv_step
+from helpers import ConvNet, conv_batches, conv_step, thrashing_allocator
 
 GiB, MiB = 2**30, 2**20
 
@@ -111,17 +110,7 @@ def test_host_readings_ride_on_the_samples(hub):
 
 
 def test_thrashing_allocator_triggers_a_preemptive_halving(hub, monkeypatch):
-    import gputui.engine.loop as loop
-
-    real = loop.for_device
-
-    def thrashing_probe(device, tracker, **kwargs):
-        probe = real(device, tracker, **kwargs)
-        read, count = probe.read, iter(range(0, 1000, 2))
-        probe.read = lambda: dataclasses.replace(read(), alloc_retries=next(count))
-        return probe
-
-    monkeypatch.setattr(loop, "for_device", thrashing_probe)
+    thrashing_allocator(monkeypatch)
     model = ConvNet()
     result = gputui.fit(model, conv_batches(6, 8), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
     thrash = [e for e in result.events if e.name == "thrashing"]
