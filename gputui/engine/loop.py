@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..probes import snapshot
-from ..probes.cpu import StateTracker, state_tensors
+from ..probes.cpu import StateTracker
 from ..probes.device import for_device
 from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors

@@ -26,18 +26,16 @@ class MetricsFile:
             self._file = open(self.path, "ab" if append else "wb", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the metrics file {self.path}: {exc.strerror}") from None
-        self._failed = False
 
     def _line(self, record: dict[str, Any]) -> None:
-        if self._failed or self._file.closed:
+        if self._file.closed:
             return
         data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         written = 0
         try:
             while written < len(data):  # a write(2) may take part of the line and fail on the rest
                 written += self._file.write(data[written:])
-        except OSError as exc:
-            self._failed = True
+        except OSError as exc:  # the hub drops this sink: it is never called again
             if written:
                 try:
                     os.ftruncate(self._file.fileno(), self._file.tell() - written)

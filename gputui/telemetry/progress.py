@@ -64,18 +64,14 @@ class ProgressLine:
         self._pending: StepSample | None = None
         self._drawn = False  # a line without a newline is on the terminal
         self.quiet = False
-        self._failed = False
 
     def _write(self, text: str) -> None:
-        if self._failed:
-            return
         try:
             if self.stream is None:  # Python's sys.stdout when the process started with fd 1 closed
                 raise ValueError("stdout is closed")
             self.stream.write(text)
             self.stream.flush()
-        except (OSError, ValueError) as exc:  # a closed pipe must not stop training: say so once
-            self._failed = True
+        except (OSError, ValueError) as exc:  # a closed pipe must not stop training: the hub drops us, says so once
             error = getattr(exc, "strerror", None) or str(exc)
             raise SinkFailed(f"progress line: {error}; no more progress will be written",
                              sink="progress", error=error) from None

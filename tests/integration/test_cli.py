@@ -1,7 +1,6 @@
 """`gputui run --headless` on real scripts in real processes: arguments, exit codes, errors, signals."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

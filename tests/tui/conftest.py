@@ -81,6 +81,26 @@ def make_app(hub, tmp_path):
             thread.join(30)
 
 
+@pytest.fixture
+def own_loop_app(hub, tmp_path):
+    """An app observing a script with its own training loop (`code`, written to tmp_path/own.py);
+    the script is stopped (a KeyboardInterrupt after its next step) and joined afterwards."""
+    apps = []
+
+    def make(code):
+        path = tmp_path / "own.py"
+        path.write_text(code)
+        apps.append(GputuiApp(LocalSource(hub), script="own.py", refresh=20,
+                              runner=lambda err: run_script(str(path), [], err=err, observe=hub)))
+        return apps[-1]
+
+    yield make
+    hub.controls.request("stop")
+    for app in apps:
+        app.training_thread.join(30)
+        assert not app.training_thread.is_alive()
+
+
 async def until(pilot, condition, timeout=20.0):
     """Let the app run until `condition()` holds (or fail after `timeout` seconds)."""
     deadline = time.monotonic() + timeout

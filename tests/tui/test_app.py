@@ -199,31 +199,19 @@ for step in range(3000):
 """
 
 
-async def test_own_loop_script_is_observed(hub, tmp_path):
-    from gputui.launch import run_script
-    from gputui.tui.app import GputuiApp
-    from gputui.tui.model import LocalSource
-
-    path = tmp_path / "own.py"
-    path.write_text(OWN_LOOP)
-    app = GputuiApp(LocalSource(hub), script="own.py", refresh=20,
-                    runner=lambda err: run_script(str(path), [], err=err, observe=hub))
+async def test_own_loop_script_is_observed(own_loop_app, hub):
+    app = own_loop_app(OWN_LOOP)
     said = []
     notify = app.notify
     app.notify = lambda message, **kw: (said.append(message), notify(message, **kw))
-    try:
-        async with app.run_test(size=(110, 32)) as pilot:
-            await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 3)
-            assert "own loop, observed" in text(app, "#remedies")
-            assert "from backward()" in text(app, "#loss")
-            await pilot.press("b")
-            assert said[-1] == "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
-            await pilot.press("f")
-            await until(pilot, lambda: any(e.name == "cache_freed" for e in hub.events()))
-            await until(pilot, lambda: "loss: " in text(app, "#log"))
-            recorded = hub.latest()
-            assert recorded.loss_source == "backward()" and recorded.batch_size == 0
-    finally:
-        hub.controls.request("stop")  # an own loop stops with a KeyboardInterrupt after its next step
-        app.training_thread.join(30)
-    assert not app.training_thread.is_alive()
+    async with app.run_test(size=(110, 32)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 3)
+        assert "own loop, observed" in text(app, "#remedies")
+        assert "from backward()" in text(app, "#loss")
+        await pilot.press("b")
+        assert said[-1] == "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
+        await pilot.press("f")
+        await until(pilot, lambda: any(e.name == "cache_freed" for e in hub.events()))
+        await until(pilot, lambda: "loss: " in text(app, "#log"))
+        recorded = hub.latest()
+        assert recorded.loss_source == "backward()" and recorded.batch_size == 0

@@ -19,21 +19,9 @@ for epoch in range(1000):
 """
 
 
-async def test_own_loop_header_shows_the_epoch_once_known(hub, tmp_path):
-    from gputui.launch import run_script
-    from gputui.tui.app import GputuiApp
-    from gputui.tui.model import LocalSource
-
-    path = tmp_path / "own.py"
-    path.write_text(EPOCHS)
-    app = GputuiApp(LocalSource(hub), script="own.py", refresh=20,
-                    runner=lambda err: run_script(str(path), [], err=err, observe=hub))
-    try:
-        async with app.run_test(size=(110, 32)) as pilot:
-            await until(pilot, lambda: app.view.latest is not None and app.view.latest.epoch >= 2)
-            shown = re.search(r"epoch (\d+)", text(app, "#header"))  # counted from 1, as fit's
-            assert shown and int(shown.group(1)) >= 3, text(app, "#header")
-    finally:
-        hub.controls.request("stop")
-        app.training_thread.join(30)
-    assert not app.training_thread.is_alive()
+async def test_own_loop_header_shows_the_epoch_once_known(own_loop_app):
+    app = own_loop_app(EPOCHS)
+    async with app.run_test(size=(110, 32)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None and app.view.latest.epoch >= 2)
+        shown = re.search(r"epoch (\d+)", text(app, "#header"))  # counted from 1, as fit's
+        assert shown and int(shown.group(1)) >= 3, text(app, "#header")

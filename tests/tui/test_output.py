@@ -1,10 +1,7 @@
 """The script's output as a user reads it: whole lines from their start, progress bars as one line."""
 
-import time
-
 from textual.widgets import RichLog, Static
 
-from gputui.launch import run_script
 from gputui.tui.app import GputuiApp
 from gputui.tui.model import LocalSource, OutputLog
 from gputui.tui.screens import LogScreen
@@ -62,31 +59,22 @@ for step in range(3000):
 """
 
 
-async def test_panel_and_log_screen_show_lines_from_their_start(hub, tmp_path):
-    path = tmp_path / "own.py"
-    path.write_text(OWN_LOOP)
-    app = GputuiApp(LocalSource(hub), script="own.py", refresh=20,
-                    runner=lambda err: run_script(str(path), [], err=err, observe=hub))
-    try:
-        async with app.run_test(size=(100, 32)) as pilot:
-            await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 3)
-            await until(pilot, lambda: "training " in text(app, "#log"))
-            panel = text(app, "#log")
-            assert "LINE-START {'loss': '6.034'" in panel  # the start, not the end, of a long line
-            assert "'marker': 'END'}" in panel  # wrapped onto the next rows, not cut
-            assert panel.count("training ") == 1 and "\n\n" not in panel  # one bar, redrawn in place
-            await pilot.press("l")
-            assert isinstance(app.screen, LogScreen)
-            log = app.screen.query_one(RichLog)
-            await until(pilot, lambda: any("LINE-START" in line.text for line in log.lines))
-            current = app.screen.query_one("#output-current", Static)
-            await until(pilot, lambda: "training " in str(current.render()))
-            assert not any("training " in line.text for line in log.lines)
-    finally:
-        hub.controls.request("stop")
-        app.training_thread.join(30)
-    assert not app.training_thread.is_alive()
-    time.tzset()
+async def test_panel_and_log_screen_show_lines_from_their_start(own_loop_app):
+    app = own_loop_app(OWN_LOOP)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 3)
+        await until(pilot, lambda: "training " in text(app, "#log"))
+        panel = text(app, "#log")
+        assert "LINE-START {'loss': '6.034'" in panel  # the start, not the end, of a long line
+        assert "'marker': 'END'}" in panel  # wrapped onto the next rows, not cut
+        assert panel.count("training ") == 1 and "\n\n" not in panel  # one bar, redrawn in place
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        log = app.screen.query_one(RichLog)
+        await until(pilot, lambda: any("LINE-START" in line.text for line in log.lines))
+        current = app.screen.query_one("#output-current", Static)
+        await until(pilot, lambda: "training " in str(current.render()))
+        assert not any("training " in line.text for line in log.lines)
 
 
 async def test_log_screen_says_so_when_nothing_was_printed(hub):

@@ -3,7 +3,6 @@
 import random
 import threading
 
-import pytest
 import torch
 
 import gputui
