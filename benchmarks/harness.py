@@ -22,7 +22,8 @@ import sys
 import tempfile
 import termios
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -35,8 +36,14 @@ def summary(values: list[float]) -> dict[str, Any]:
     if not values:
         return {"n": 0}
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
-    out = {"n": len(values), "median": statistics.median(values), "q1": q1, "q3": q3,
-           "min": min(values), "max": max(values)}
+    out = {
+        "n": len(values),
+        "median": statistics.median(values),
+        "q1": q1,
+        "q3": q3,
+        "min": min(values),
+        "max": max(values),
+    }
     return out if len(values) > 200 else {**out, "values": values}
 
 
@@ -130,7 +137,7 @@ class PtyChild:
                 try:
                     data = os.read(self.fd, 1 << 16)
                     self.output += data
-                    del self.output[:-(1 << 20)]  # keep the last MiB
+                    del self.output[: -(1 << 20)]  # keep the last MiB
                 except OSError as exc:  # EIO: the child closed the terminal
                     if exc.errno != errno.EIO:
                         raise
@@ -194,7 +201,7 @@ def wait_until(done: Callable[[], Any], timeout: float, interval: float = 0.01) 
 
 
 def device_of(name: str) -> str:
-    """"auto" is cuda where torch sees a GPU, else cpu."""
+    """ "auto" is cuda where torch sees a GPU, else cpu."""
     if name != "auto":
         return name
     import torch

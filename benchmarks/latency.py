@@ -47,11 +47,12 @@ class Answers:
 
 
 def measure(model: str, count: int, device: str, tmp: str) -> dict[str, Any]:
+    from workloads import make
+
     import gputui
     from gputui.telemetry import hub as hubs
     from gputui.telemetry.client import Connection, wait_for_answer
     from gputui.telemetry.server import TelemetryServer
-    from workloads import make
 
     hub = hubs.Hub()
     hubs.install(hub)
@@ -90,7 +91,7 @@ def measure(model: str, count: int, device: str, tmp: str) -> dict[str, Any]:
                         raise TimeoutError("no answer through the socket")
                     socket_s.append(time.perf_counter() - t0)
                     value = not value
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+        except BaseException as exc:
             failure.append(exc)
         finally:
             hub.controls.request("stop")
@@ -105,11 +106,16 @@ def measure(model: str, count: int, device: str, tmp: str) -> dict[str, Any]:
         hubs.install(None)
     if failure:
         raise failure[0]
-    return {"description": w.description, "step_ms": 1e3 * step_s[0], "requests": len(direct),
-            "latency_ms": harness.summary([1e3 * d[0] for d in direct]),
-            "steps": harness.summary([d[1] for d in direct]),
-            "steps_counts": {str(k): sum(1 for d in direct if d[1] == k) for k in sorted({d[1] for d in direct})},
-            "socket_requests": len(socket_s), "socket_ms": harness.summary([1e3 * s for s in socket_s])}
+    return {
+        "description": w.description,
+        "step_ms": 1e3 * step_s[0],
+        "requests": len(direct),
+        "latency_ms": harness.summary([1e3 * d[0] for d in direct]),
+        "steps": harness.summary([d[1] for d in direct]),
+        "steps_counts": {str(k): sum(1 for d in direct if d[1] == k) for k in sorted({d[1] for d in direct})},
+        "socket_requests": len(socket_s),
+        "socket_ms": harness.summary([1e3 * s for s in socket_s]),
+    }
 
 
 def _cycle(batches: list[Any]):
@@ -128,15 +134,21 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    lines = [f"Device {r['device']}. Milliseconds: median (min-max); steps: how many steps completed between "
-             "the request and its application (1 = at the next step boundary).", "",
-             "| workload | step (ms) | API requests | request to applied (ms) | max (ms) | steps (count) "
-             "| socket round trip, `gputui ctl` path (ms) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Device {r['device']}. Milliseconds: median (min-max); steps: how many steps completed between "
+        "the request and its application (1 = at the next step boundary).",
+        "",
+        "| workload | step (ms) | API requests | request to applied (ms) | max (ms) | steps (count) "
+        "| socket round trip, `gputui ctl` path (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for w in r["workloads"].values():
         steps = ", ".join(f"{k}: {v}" for k, v in w["steps_counts"].items())
-        lines.append(f"| {w['description']} | {harness.fmt(w['step_ms'])} | {w['requests']} | "
-                     f"{harness.spread(w['latency_ms'])} | {harness.fmt(w['latency_ms']['max'])} | {steps} | "
-                     f"{harness.spread(w['socket_ms'])} (n={w['socket_requests']}) |")
+        lines.append(
+            f"| {w['description']} | {harness.fmt(w['step_ms'])} | {w['requests']} | "
+            f"{harness.spread(w['latency_ms'])} | {harness.fmt(w['latency_ms']['max'])} | {steps} | "
+            f"{harness.spread(w['socket_ms'])} (n={w['socket_requests']}) |"
+        )
     return "\n".join(lines) + "\n"
 
 

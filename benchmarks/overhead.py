@@ -43,8 +43,20 @@ def workload_args(name: str) -> list[str]:
 
 def one_run(tmp: str, model: str, loop: str, steps: int, warmup: int, device: str) -> dict[str, Any]:
     out = os.path.join(tmp, f"{model}-{loop}-{time.monotonic_ns()}.json")
-    args = [os.path.join(harness.HERE, "workloads.py"), *workload_args(model), "--loop", "plain" if loop == "plain" else "fit",
-            "--steps", str(steps), "--warmup", str(warmup), "--device", device, "--out", out]
+    args = [
+        os.path.join(harness.HERE, "workloads.py"),
+        *workload_args(model),
+        "--loop",
+        "plain" if loop == "plain" else "fit",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--device",
+        device,
+        "--out",
+        out,
+    ]
     env = harness.child_env(tmp)
     limit = 60 + steps * (2.0 if model == "gpt" else 0.1)
     start, t0 = harness.cpu_jiffies(), time.monotonic()
@@ -72,35 +84,73 @@ def alternating(tmp: str, model: str, blocks: int, steps: int, warmup: int, devi
     """fit and the plain loop taking turns in blocks inside one process: finer-grained than whole
     runs, so a slow spell of the machine falls on both loops of a pair."""
     out = os.path.join(tmp, f"{model}-alternating.json")
-    args = [sys.executable, os.path.join(harness.HERE, "workloads.py"), *workload_args(model), "--loop", "alternating",
-            "--steps", str(steps), "--warmup", str(warmup), "--blocks", str(blocks), "--device", device, "--out", out]
+    args = [
+        sys.executable,
+        os.path.join(harness.HERE, "workloads.py"),
+        *workload_args(model),
+        "--loop",
+        "alternating",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--blocks",
+        str(blocks),
+        "--device",
+        device,
+        "--out",
+        out,
+    ]
     proc = subprocess.run(args, env=harness.child_env(tmp), capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         raise RuntimeError(f"alternating run failed ({proc.returncode}): {proc.stderr[-2000:]}")
     with open(out) as f:
         per_step = json.load(f)
     plain, fit = harness.summary(per_step["plain"]), harness.summary(per_step["fit"])
-    return {"blocks": blocks, "steps": steps, "warmup": warmup, "plain_ms": harness.summary([1e3 * x for x in per_step["plain"]]),
-            "fit_ms": harness.summary([1e3 * x for x in per_step["fit"]]), "ratio": plain["median"] / fit["median"],
-            "paired_ratio": harness.summary([p / f for p, f in zip(per_step["plain"], per_step["fit"])])}
+    return {
+        "blocks": blocks,
+        "steps": steps,
+        "warmup": warmup,
+        "plain_ms": harness.summary([1e3 * x for x in per_step["plain"]]),
+        "fit_ms": harness.summary([1e3 * x for x in per_step["fit"]]),
+        "ratio": plain["median"] / fit["median"],
+        "paired_ratio": harness.summary([p / f for p, f in zip(per_step["plain"], per_step["fit"], strict=True)]),
+    }
 
 
 def interleaved(tmp: str, model: str, steps: int, warmup: int, device: str) -> dict[str, Any]:
     """A plain step and a fit step taking turns step by step in one process (workloads.Interleaved):
     the finest pairing there is, and the figure that says what fit adds to one step."""
     out = os.path.join(tmp, f"{model}-interleaved.json")
-    args = [sys.executable, os.path.join(harness.HERE, "workloads.py"), *workload_args(model), "--loop", "interleaved",
-            "--steps", str(steps), "--warmup", str(warmup), "--device", device, "--out", out]
+    args = [
+        sys.executable,
+        os.path.join(harness.HERE, "workloads.py"),
+        *workload_args(model),
+        "--loop",
+        "interleaved",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--device",
+        device,
+        "--out",
+        out,
+    ]
     proc = subprocess.run(args, env=harness.child_env(tmp), capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         raise RuntimeError(f"interleaved run failed ({proc.returncode}): {proc.stderr[-2000:]}")
     with open(out) as f:
         per_step = json.load(f)
     plain, fit = per_step["plain"], per_step["fit"]
-    return {"steps": steps, "warmup": warmup, "plain_ms": harness.summary([1e3 * x for x in plain]),
-            "fit_ms": harness.summary([1e3 * x for x in fit]),
-            "added_us": harness.summary([1e6 * (f - p) for p, f in zip(plain, fit)]),
-            "ratio": statistics.median(plain) / statistics.median(fit)}
+    return {
+        "steps": steps,
+        "warmup": warmup,
+        "plain_ms": harness.summary([1e3 * x for x in plain]),
+        "fit_ms": harness.summary([1e3 * x for x in fit]),
+        "added_us": harness.summary([1e6 * (f - p) for p, f in zip(plain, fit, strict=True)]),
+        "ratio": statistics.median(plain) / statistics.median(fit),
+    }
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
@@ -112,31 +162,47 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for model, (steps, warmup) in config.items():
             runs: dict[str, list[dict[str, Any]]] = {loop: [] for loop in LOOPS}
             for rep in range(reps):
-                order = LOOPS[rep % 3:] + LOOPS[:rep % 3]
+                order = LOOPS[rep % 3 :] + LOOPS[: rep % 3]
                 for loop in order:
                     runs[loop].append(one_run(tmp, model, loop, steps, warmup, device))
-                    print(f"overhead {model} rep {rep + 1}/{reps} {loop}: "
-                          f"{runs[loop][-1]['samples_per_s']:.0f} samples/s", file=sys.stderr)
+                    print(
+                        f"overhead {model} rep {rep + 1}/{reps} {loop}: "
+                        f"{runs[loop][-1]['samples_per_s']:.0f} samples/s",
+                        file=sys.stderr,
+                    )
             rate = {loop: harness.summary([r["samples_per_s"] for r in rs]) for loop, rs in runs.items()}
             base = rate["plain"]["median"]
             out["workloads"][model] = {
-                "steps": steps, "warmup": warmup, "runs": runs, "samples_per_s": rate,
+                "steps": steps,
+                "warmup": warmup,
+                "runs": runs,
+                "samples_per_s": rate,
                 "step_ms": {loop: harness.summary([r["step_ms_median"] for r in rs]) for loop, rs in runs.items()},
                 "ratio": {loop: rate[loop]["median"] / base for loop in LOOPS},
-                "paired_ratio": {loop: harness.summary([r["samples_per_s"] / p["samples_per_s"]
-                                                        for r, p in zip(runs[loop], runs["plain"])]) for loop in LOOPS},
+                "paired_ratio": {
+                    loop: harness.summary(
+                        [
+                            r["samples_per_s"] / p["samples_per_s"]
+                            for r, p in zip(runs[loop], runs["plain"], strict=True)
+                        ]
+                    )
+                    for loop in LOOPS
+                },
                 "steal_pct": harness.summary([r["steal_pct"] for rs in runs.values() for r in rs]),
                 "alternating": alternating(tmp, model, *(QUICK_BLOCKS if quick else BLOCKS)[model], device),
                 "interleaved": interleaved(tmp, model, *(QUICK_INTERLEAVED if quick else INTERLEAVED)[model], device),
-                "other_cpu_pct": {loop: harness.summary([r["cpu_pct"]["ui"] + r["cpu_pct"]["gputui threads"] for r in rs])
-                                  for loop, rs in runs.items()},
+                "other_cpu_pct": {
+                    loop: harness.summary([r["cpu_pct"]["ui"] + r["cpu_pct"]["gputui threads"] for r in rs])
+                    for loop, rs in runs.items()
+                },
             }
     from workloads import make  # the descriptions (torch, only now)
 
     for name in config:
         model, threads = WORKLOADS[name]
         out["workloads"][name]["description"] = make(model).description + (
-            f"; torch limited to {threads} thread (a core left free)" if threads else "")
+            f"; torch limited to {threads} thread (a core left free)" if threads else ""
+        )
     return out
 
 
@@ -146,30 +212,44 @@ def markdown(r: dict[str, Any]) -> str:
         "(a b c, b c a, ...). Samples/s: median (min-max) over the runs; the ratio is of the medians, "
         "and in brackets the median (min-max) of each turn's ratio to its own plain run. The last column is the "
         "CPU (% of one core, median) used beside the training thread and torch's workers: the TUI's event loop "
-        "and gputui's telemetry thread.", ""]
-    for model, w in r["workloads"].items():
-        lines += [f"**{w['description']}**: {w['steps']} timed steps after {w['warmup']} warm-up steps; "
-                  f"machine time stolen by the hypervisor during the runs: {harness.spread(w['steal_pct'], 2, '%')}.", "",
-                  "| loop | samples/s | step (median, ms) | ratio to plain | CPU of gputui's threads |",
-                  "| --- | --- | --- | --- | --- |"]
+        "and gputui's telemetry thread.",
+        "",
+    ]
+    for _model, w in r["workloads"].items():
+        lines += [
+            f"**{w['description']}**: {w['steps']} timed steps after {w['warmup']} warm-up steps; "
+            f"machine time stolen by the hypervisor during the runs: {harness.spread(w['steal_pct'], 2, '%')}.",
+            "",
+            "| loop | samples/s | step (median, ms) | ratio to plain | CPU of gputui's threads |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for loop in LOOPS:
             paired = w["paired_ratio"][loop]
             ratio = "1" if loop == "plain" else f"**{w['ratio'][loop]:.3f}** [{harness.spread(paired, 3)}]"
             other = w["other_cpu_pct"][loop]["median"]
-            lines.append(f"| {LABELS[loop]} | {harness.spread(w['samples_per_s'][loop])} | "
-                         f"{harness.spread(w['step_ms'][loop])} | {ratio} | {other:.1f}% |")
+            lines.append(
+                f"| {LABELS[loop]} | {harness.spread(w['samples_per_s'][loop])} | "
+                f"{harness.spread(w['step_ms'][loop])} | {ratio} | {other:.1f}% |"
+            )
         a = w["alternating"]
-        lines += ["", f"In one process, {a['blocks']} blocks of {a['steps']} timed steps through each loop taking "
-                  f"turns (after {a['warmup']} warm-up steps a block): {harness.spread(a['plain_ms'])} ms a step "
-                  f"plain, {harness.spread(a['fit_ms'])} ms through `gputui.fit` headless: ratio **{a['ratio']:.3f}** "
-                  f"[pairs: median {a['paired_ratio']['median']:.3f}, quartiles {a['paired_ratio']['q1']:.3f}-"
-                  f"{a['paired_ratio']['q3']:.3f}].", ""]
+        lines += [
+            "",
+            f"In one process, {a['blocks']} blocks of {a['steps']} timed steps through each loop taking "
+            f"turns (after {a['warmup']} warm-up steps a block): {harness.spread(a['plain_ms'])} ms a step "
+            f"plain, {harness.spread(a['fit_ms'])} ms through `gputui.fit` headless: ratio **{a['ratio']:.3f}** "
+            f"[pairs: median {a['paired_ratio']['median']:.3f}, quartiles {a['paired_ratio']['q1']:.3f}-"
+            f"{a['paired_ratio']['q3']:.3f}].",
+            "",
+        ]
         i = w["interleaved"]
-        lines[-1:-1] = ["", f"Interleaved step by step in one process ({i['steps']} steps of each after {i['warmup']}): "
-                        f"{harness.spread(i['plain_ms'])} ms a plain step, {harness.spread(i['fit_ms'])} ms a `gputui.fit` "
-                        f"step: fit adds **{harness.fmt(i['added_us']['median'])} us** a step (median of the pairs; "
-                        f"quartiles {harness.fmt(i['added_us']['q1'])} to {harness.fmt(i['added_us']['q3'])}), ratio "
-                        f"**{i['ratio']:.3f}**."]
+        lines[-1:-1] = [
+            "",
+            f"Interleaved step by step in one process ({i['steps']} steps of each after {i['warmup']}): "
+            f"{harness.spread(i['plain_ms'])} ms a plain step, {harness.spread(i['fit_ms'])} ms a `gputui.fit` "
+            f"step: fit adds **{harness.fmt(i['added_us']['median'])} us** a step (median of the pairs; "
+            f"quartiles {harness.fmt(i['added_us']['q1'])} to {harness.fmt(i['added_us']['q3'])}), ratio "
+            f"**{i['ratio']:.3f}**.",
+        ]
     return "\n".join(lines)
 
 

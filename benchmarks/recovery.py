@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from itertools import pairwise
 from typing import Any
 
 import harness
@@ -98,25 +99,42 @@ def budget_ooms(cycles: int, device: str) -> dict[str, Any]:
     rec = Recorder(react)
     result = _fit(w, device, rec, 4 * cycles + 8, step, micro_batch=16, memory_budget=budget)
     recovered = [(t, e) for t, e in rec.events if e.name == "oom_recovered"]
-    normal = [b[0] - a[0] for a, b in zip(rec.samples, rec.samples[1:])
-              if a[1].accumulation == b[1].accumulation == 2 and not any(a[0] < t < b[0] for t in ooms)]
+    normal = [
+        b[0] - a[0]
+        for a, b in pairwise(rec.samples)
+        if a[1].accumulation == b[1].accumulation == 2 and not any(a[0] < t < b[0] for t in ooms)
+    ]
     rows = []
-    for t_oom, (t_rec, event) in zip(ooms, recovered):
+    for t_oom, (t_rec, event) in zip(ooms, recovered, strict=False):
         t_done, after, rss_after = rec.after(t_rec)
         _, before, rss_before = rec.before(t_oom)
-        rows.append({"oom_to_recovered_ms": 1e3 * (t_rec - t_oom), "oom_to_next_step_ms": 1e3 * (t_done - t_oom),
-                     "phase": event.details["phase"], "leaked": event.details["leaked"],
-                     "allocated_before": before.memory.allocated, "allocated_after": after.memory.allocated,
-                     "rss_before": rss_before, "rss_after": rss_after})
-    return {"budget": budget, "peak_full": full.peak, "peak_half": half.peak, "ooms": len(ooms),
-            "recovered": result.ooms_recovered, "rows": rows,
-            "oom_to_recovered_ms": harness.summary([r["oom_to_recovered_ms"] for r in rows]),
-            "oom_to_next_step_ms": harness.summary([r["oom_to_next_step_ms"] for r in rows]),
-            "normal_step_ms": harness.summary([1e3 * x for x in normal]),
-            "phases": sorted({r["phase"] for r in rows}),
-            "leaked_max": max((r["leaked"] for r in rows), default=None),
-            "allocated_changed": sum(r["allocated_after"] != r["allocated_before"] for r in rows),
-            "rss_growth": rows[-1]["rss_after"] - rows[0]["rss_after"] if rows else None}
+        rows.append(
+            {
+                "oom_to_recovered_ms": 1e3 * (t_rec - t_oom),
+                "oom_to_next_step_ms": 1e3 * (t_done - t_oom),
+                "phase": event.details["phase"],
+                "leaked": event.details["leaked"],
+                "allocated_before": before.memory.allocated,
+                "allocated_after": after.memory.allocated,
+                "rss_before": rss_before,
+                "rss_after": rss_after,
+            }
+        )
+    return {
+        "budget": budget,
+        "peak_full": full.peak,
+        "peak_half": half.peak,
+        "ooms": len(ooms),
+        "recovered": result.ooms_recovered,
+        "rows": rows,
+        "oom_to_recovered_ms": harness.summary([r["oom_to_recovered_ms"] for r in rows]),
+        "oom_to_next_step_ms": harness.summary([r["oom_to_next_step_ms"] for r in rows]),
+        "normal_step_ms": harness.summary([1e3 * x for x in normal]),
+        "phases": sorted({r["phase"] for r in rows}),
+        "leaked_max": max((r["leaked"] for r in rows), default=None),
+        "allocated_changed": sum(r["allocated_after"] != r["allocated_before"] for r in rows),
+        "rss_growth": rows[-1]["rss_after"] - rows[0]["rss_after"] if rows else None,
+    }
 
 
 def manual_ooms(cycles: int, device: str) -> dict[str, Any]:
@@ -144,10 +162,18 @@ def manual_ooms(cycles: int, device: str) -> dict[str, Any]:
     rss = [a[2] for a in after]
     tracked = [a[1].memory.allocated for a in after]
     settle = min(5, len(rss) - 1)  # allocator and interpreter warm-up: compare from the 6th recovery on
-    return {"ooms": len(ooms), "oom_to_next_step_ms": harness.summary([1e3 * (a[0] - t) for a, t in zip(after, ooms)]),
-            "rss": rss, "tracked": tracked, "rss_first": rss[0], "rss_last": rss[-1],
-            "rss_growth_after_settle": rss[-1] - rss[settle], "rss_range_after_settle": max(rss[settle:]) - min(rss[settle:]),
-            "tracked_distinct": sorted(set(tracked)), "settle": settle}
+    return {
+        "ooms": len(ooms),
+        "oom_to_next_step_ms": harness.summary([1e3 * (a[0] - t) for a, t in zip(after, ooms, strict=False)]),
+        "rss": rss,
+        "tracked": tracked,
+        "rss_first": rss[0],
+        "rss_last": rss[-1],
+        "rss_growth_after_settle": rss[-1] - rss[settle],
+        "rss_range_after_settle": max(rss[settle:]) - min(rss[settle:]),
+        "tracked_distinct": sorted(set(tracked)),
+        "settle": settle,
+    }
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
@@ -155,8 +181,11 @@ def run(quick: bool, device: str) -> dict[str, Any]:
     config = QUICK if quick else FULL
     from workloads import make
 
-    out = {"device": device, "description": make("gpt").description,
-           "budget": budget_ooms(config["budget_cycles"], device)}
+    out = {
+        "device": device,
+        "description": make("gpt").description,
+        "budget": budget_ooms(config["budget_cycles"], device),
+    }
     print(f"recovery: {out['budget']['oom_to_next_step_ms'].get('median')} ms to the next step", file=sys.stderr)
     out["manual"] = manual_ooms(config["manual_cycles"], device)
     return out
@@ -167,27 +196,36 @@ def markdown(r: dict[str, Any]) -> str:
 
     b, m = r["budget"], r["manual"]
     unit = "tracked bytes" if r["device"] == "cpu" else "allocated bytes"
-    return "\n".join([
-        f"Device {r['device']}; {r['description']}.", "",
-        f"**Budget OOMs.** Budget {format_bytes(b['budget'])}: step peak {format_bytes(b['peak_half'])} at "
-        f"micro-batch 16, {format_bytes(b['peak_full'])} at 32. {b['ooms']} OOMs (in {', '.join(b['phases'])}), "
-        f"{b['recovered']} recovered.", "",
-        "| | ms: median (min-max) |", "| --- | --- |",
-        f"| OOM raised to `oom_recovered` (frames dropped, gradients dropped, gc + malloc_trim, RNG restored) | "
-        f"{harness.spread(b['oom_to_recovered_ms'])} |",
-        f"| OOM raised to the next completed step (the batch replayed as 16 x 2) | {harness.spread(b['oom_to_next_step_ms'])} |",
-        f"| an ordinary step at 16 x 2, for comparison | {harness.spread(b['normal_step_ms'])} |", "",
-        f"Memory after each recovery: {unit} back to the value before the OOM in "
-        f"{len(b['rows']) - b['allocated_changed']} of {len(b['rows'])} recoveries; largest `leaked` "
-        f"(allocated after the drop minus before the step) {format_bytes(b['leaked_max'])}; RSS from the first to the "
-        f"last recovery {format_bytes(b['rss_growth'])}.", "",
-        f"**{m['ooms']} OOMs with auto-recover off**, each answered by an immediate resume (the step raises "
-        f"`torch.OutOfMemoryError` after its forward, every third call). OOM to the next completed step: "
-        f"{harness.spread(m['oom_to_next_step_ms'])} ms. After each recovery: {unit} took "
-        f"{len(m['tracked_distinct'])} distinct value(s) ({', '.join(format_bytes(t) for t in m['tracked_distinct'])}); "
-        f"RSS {format_bytes(m['rss_first'])} after the first, {format_bytes(m['rss_last'])} after the last; from the "
-        f"{m['settle'] + 1}th to the last it moved by {format_bytes(m['rss_growth_after_settle'])} "
-        f"(range {format_bytes(m['rss_range_after_settle'])}).", ""])
+    return "\n".join(
+        [
+            f"Device {r['device']}; {r['description']}.",
+            "",
+            f"**Budget OOMs.** Budget {format_bytes(b['budget'])}: step peak {format_bytes(b['peak_half'])} at "
+            f"micro-batch 16, {format_bytes(b['peak_full'])} at 32. {b['ooms']} OOMs (in {', '.join(b['phases'])}), "
+            f"{b['recovered']} recovered.",
+            "",
+            "| | ms: median (min-max) |",
+            "| --- | --- |",
+            f"| OOM raised to `oom_recovered` (frames dropped, gradients dropped, gc + malloc_trim, RNG restored) | "
+            f"{harness.spread(b['oom_to_recovered_ms'])} |",
+            f"| OOM raised to the next completed step (the batch replayed as 16 x 2) | {harness.spread(b['oom_to_next_step_ms'])} |",
+            f"| an ordinary step at 16 x 2, for comparison | {harness.spread(b['normal_step_ms'])} |",
+            "",
+            f"Memory after each recovery: {unit} back to the value before the OOM in "
+            f"{len(b['rows']) - b['allocated_changed']} of {len(b['rows'])} recoveries; largest `leaked` "
+            f"(allocated after the drop minus before the step) {format_bytes(b['leaked_max'])}; RSS from the first to the "
+            f"last recovery {format_bytes(b['rss_growth'])}.",
+            "",
+            f"**{m['ooms']} OOMs with auto-recover off**, each answered by an immediate resume (the step raises "
+            f"`torch.OutOfMemoryError` after its forward, every third call). OOM to the next completed step: "
+            f"{harness.spread(m['oom_to_next_step_ms'])} ms. After each recovery: {unit} took "
+            f"{len(m['tracked_distinct'])} distinct value(s) ({', '.join(format_bytes(t) for t in m['tracked_distinct'])}); "
+            f"RSS {format_bytes(m['rss_first'])} after the first, {format_bytes(m['rss_last'])} after the last; from the "
+            f"{m['settle'] + 1}th to the last it moved by {format_bytes(m['rss_growth_after_settle'])} "
+            f"(range {format_bytes(m['rss_range_after_settle'])}).",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from itertools import pairwise
 from typing import Any
 
 import harness
@@ -34,10 +35,11 @@ def peak(device: str, options: dict[str, Any]) -> dict[str, Any]:
     """One short fit into a fresh hub: the last step's memory reading and the step time."""
     import gc
 
-    import gputui
     import torch
-    from gputui.telemetry import hub as hubs
     from workloads import make
+
+    import gputui
+    from gputui.telemetry import hub as hubs
 
     if device.startswith("cuda"):
         gc.collect()
@@ -51,9 +53,13 @@ def peak(device: str, options: dict[str, Any]) -> dict[str, Any]:
         hubs.install(None)
     samples = hub.samples()
     m = samples[-1].memory
-    steps = [b.t - a.t for a, b in zip(samples[1:], samples[2:])]
-    return {"peak": m.peak, "reserved": m.reserved, "allocated": m.allocated,
-            "step_ms": 1e3 * statistics.median(steps) if steps else None}
+    steps = [b.t - a.t for a, b in pairwise(samples[1:])]
+    return {
+        "peak": m.peak,
+        "reserved": m.reserved,
+        "allocated": m.allocated,
+        "step_ms": 1e3 * statistics.median(steps) if steps else None,
+    }
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
@@ -62,8 +68,12 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
     rows = []
     for label, options in CONFIGS:
-        row = {"config": label, "options": options, "cpu": peak("cpu", options),
-               "cuda": peak(device, options) if device.startswith("cuda") else None}
+        row = {
+            "config": label,
+            "options": options,
+            "cpu": peak("cpu", options),
+            "cuda": peak(device, options) if device.startswith("cuda") else None,
+        }
         rows.append(row)
         print(f"remedies {label}: {row['cpu']['peak']} B", file=sys.stderr)
     gpu = None
@@ -83,20 +93,27 @@ def markdown(r: dict[str, Any]) -> str:
         return "" if now is None or not before else f" ({100 * (now - before) / before:+.0f}%)"
 
     gpu = f"CUDA ({r['gpu']})" if r["gpu"] else "CUDA"
-    lines = [f"{r['description']}; the figures of step {r['steps']} (optimizer state present). "
-             "CPU: gputui's tracked bytes at the step's peak; step time on this CPU for reference "
-             "(AMP on a CPU saves memory, not time).", "",
-             f"| configuration | CPU tracked peak | CPU step (ms) | {gpu} peak allocated | {gpu} reserved |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"{r['description']}; the figures of step {r['steps']} (optimizer state present). "
+        "CPU: gputui's tracked bytes at the step's peak; step time on this CPU for reference "
+        "(AMP on a CPU saves memory, not time).",
+        "",
+        f"| configuration | CPU tracked peak | CPU step (ms) | {gpu} peak allocated | {gpu} reserved |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in r["rows"]:
         cpu, cuda = row["cpu"], row["cuda"]
         if cuda is None:
             gpu_cells = f"{harness.NOT_MEASURED} | {harness.NOT_MEASURED}"
         else:
-            gpu_cells = (f"{format_bytes(cuda['peak'])}{saved(cuda['peak'], base['cuda']['peak'])} | "
-                         f"{format_bytes(cuda['reserved'])}{saved(cuda['reserved'], base['cuda']['reserved'])}")
-        lines.append(f"| {row['config']} | {format_bytes(cpu['peak'])}{saved(cpu['peak'], base['cpu']['peak'])} | "
-                     f"{harness.fmt(cpu['step_ms'])} | {gpu_cells} |")
+            gpu_cells = (
+                f"{format_bytes(cuda['peak'])}{saved(cuda['peak'], base['cuda']['peak'])} | "
+                f"{format_bytes(cuda['reserved'])}{saved(cuda['reserved'], base['cuda']['reserved'])}"
+            )
+        lines.append(
+            f"| {row['config']} | {format_bytes(cpu['peak'])}{saved(cpu['peak'], base['cpu']['peak'])} | "
+            f"{harness.fmt(cpu['step_ms'])} | {gpu_cells} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -46,14 +46,25 @@ def machine(device: str) -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    commit = subprocess.run(["git", "-C", harness.ROOT, "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip() or None
+    commit = (
+        subprocess.run(
+            ["git", "-C", harness.ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True
+        ).stdout.strip()
+        or None
+    )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu, "cores": os.cpu_count(), "ram": psutil.virtual_memory().total,
-        "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "gputui": gputui.__version__, "commit": commit,
-        "device": device, "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram": psutil.virtual_memory().total,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "gputui": gputui.__version__,
+        "commit": commit,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
     }
 
 
@@ -66,7 +77,10 @@ def run_one(name: str, quick: bool, device: str, tmp: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {TIMEOUT}s", "elapsed_s": time.monotonic() - t0}
     if proc.returncode or not os.path.exists(out):
-        return {"error": f"exit code {proc.returncode}: {proc.stderr.strip()[-3000:]}", "elapsed_s": time.monotonic() - t0}
+        return {
+            "error": f"exit code {proc.returncode}: {proc.stderr.strip()[-3000:]}",
+            "elapsed_s": time.monotonic() - t0,
+        }
     with open(out) as f:
         return {"result": json.load(f), "elapsed_s": time.monotonic() - t0}
 
@@ -85,21 +99,29 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
         parts.append(
             f"`gputui.fit` trained the small GPT of demos/gpt.py{step['gpt']} at {gpt['ratio']['fit']:.2f}x the "
             f"samples per second of a plain PyTorch loop headless and {gpt['ratio']['tui']:.2f}x under the TUI, "
-            f"and the tiny MLP of demos/mlp.py{step['mlp']} at {mlp['ratio']['fit']:.2f}x and {mlp['ratio']['tui']:.2f}x")
+            f"and the tiny MLP of demos/mlp.py{step['mlp']} at {mlp['ratio']['fit']:.2f}x and {mlp['ratio']['tui']:.2f}x"
+        )
         free = oh["workloads"].get("mlp-1t")
         if free:
-            parts[-1] += (f" (with a core left free for the TUI, torch on one thread: {free['ratio']['fit']:.2f}x and "
-                          f"{free['ratio']['tui']:.2f}x)")
+            parts[-1] += (
+                f" (with a core left free for the TUI, torch on one thread: {free['ratio']['fit']:.2f}x and "
+                f"{free['ratio']['tui']:.2f}x)"
+            )
     lat = results.get("latency", {}).get("result")
     if lat:
         worst = max(w["steps"]["max"] for w in lat["workloads"].values())
-        parts.append("every control was applied at the next step boundary" if worst <= 1
-                     else f"every control was applied within {worst:.0f} steps")
+        parts.append(
+            "every control was applied at the next step boundary"
+            if worst <= 1
+            else f"every control was applied within {worst:.0f} steps"
+        )
     rec = results.get("recovery", {}).get("result")
     if rec and rec["budget"]["oom_to_next_step_ms"].get("n"):
         b, manual = rec["budget"], rec["manual"]
-        parts.append(f"an OOM was recovered to the next completed step in {b['oom_to_next_step_ms']['median']:.0f} ms, "
-                     f"and {manual['ooms']} OOMs in a row moved RSS by {format_bytes(manual['rss_growth_after_settle'])}")
+        parts.append(
+            f"an OOM was recovered to the next completed step in {b['oom_to_next_step_ms']['median']:.0f} ms, "
+            f"and {manual['ooms']} OOMs in a row moved RSS by {format_bytes(manual['rss_growth_after_settle'])}"
+        )
     if not parts:
         return "No headline: the benchmarks that make it did not run."
     return f"{where}, " + "; ".join(parts) + "."
@@ -112,13 +134,18 @@ def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str)
     if quick:
         lines += ["**A quick run (`--quick`): fewer and shorter runs, not for quoting.**", ""]
     lines += [
-        "Made by `python benchmarks/run.py`; the raw figures are in results.json beside this file.", "",
+        "Made by `python benchmarks/run.py`; the raw figures are in results.json beside this file.",
+        "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {format_bytes(m['ram'])} RAM; {m['os']}",
         f"- Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), gputui {m['gputui']} "
         f"(commit {m['commit']})",
-        f"- device: {m['device']}" + (f" ({m['gpu']})" if m["gpu"] else " (no GPU here: every GPU figure says "
-                                     f"\"{harness.NOT_MEASURED}\")"),
-        f"- date: {m['date']}", "", "**Headline.** " + head, ""]
+        f"- device: {m['device']}"
+        + (f" ({m['gpu']})" if m["gpu"] else f' (no GPU here: every GPU figure says "{harness.NOT_MEASURED}")'),
+        f"- date: {m['date']}",
+        "",
+        "**Headline.** " + head,
+        "",
+    ]
     for name, title in BENCHMARKS.items():
         if name not in results:
             continue

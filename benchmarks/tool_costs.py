@@ -44,10 +44,16 @@ def help_start(runs: int, env: dict[str, str]) -> dict[str, Any]:
         if proc.returncode or "usage: gputui" not in proc.stdout:
             raise RuntimeError(f"gputui --help failed: {proc.stderr[-500:]}")
         times.append(1e3 * seconds)
-    check = ("import sys\nfrom gputui.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('torch', 'textual', 'psutil') if m in sys.modules))")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
-                                       timeout=60).stdout.strip().splitlines()[-1].replace("'", '"'))
+    check = (
+        "import sys\nfrom gputui.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'textual', 'psutil') if m in sys.modules))"
+    )
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=60)
+        .stdout.strip()
+        .splitlines()[-1]
+        .replace("'", '"')
+    )
     return {"ms": harness.summary(times), "heavy_modules_loaded": loaded, "torch_imported": "torch" in loaded}
 
 
@@ -92,8 +98,13 @@ def attach_tui(pid: int, refresh: float, seconds: float, env: dict[str, str]) ->
     finally:
         child.stop(b"q")
     used = (after.user - before.user) + (after.system - before.system)
-    return {"refresh_hz": refresh, "first_screen_s": shown, "cpu_pct": 100 * used / (w1 - w0),
-            "cpu_s": used, "wall_s": w1 - w0}
+    return {
+        "refresh_hz": refresh,
+        "first_screen_s": shown,
+        "cpu_pct": 100 * used / (w1 - w0),
+        "cpu_s": used,
+        "wall_s": w1 - w0,
+    }
 
 
 def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str, str]) -> dict[str, Any]:
@@ -105,8 +116,16 @@ def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str
 
     hub = Hub()
     server = TelemetryServer(hub, path=os.path.join(tmp, f"cost-{clients}.sock")).start()
-    readers = [subprocess.Popen([sys.executable, "-c", READER, server.path], env=env, stdout=subprocess.PIPE,
-                                text=True, start_new_session=True) for _ in range(clients)]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", READER, server.path],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(clients)
+    ]
     try:
         harness.wait_until(lambda: server.clients == clients, 30)
         hub.start({"pid": os.getpid(), "argv": ["bench"], "device": "cpu", "device_name": "CPU"})
@@ -134,9 +153,14 @@ def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str
                 reader.wait()
                 received.append(None)
     us = [1e6 * t for t in times]
-    return {"clients": clients, "samples": samples, "publish_us": harness.summary(us),
-            "publish_us_p99": sorted(us)[int(0.99 * len(us))], "server_cpu_us_per_sample": 1e6 * cpu / samples,
-            "received": received}
+    return {
+        "clients": clients,
+        "samples": samples,
+        "publish_us": harness.summary(us),
+        "publish_us_p99": sorted(us)[int(0.99 * len(us))],
+        "server_cpu_us_per_sample": 1e6 * cpu / samples,
+        "received": received,
+    }
 
 
 def run(quick: bool, device: str) -> dict[str, Any]:
@@ -151,8 +175,20 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
         out["help"] = help_start(config["runs"], env)
         print(f"tool costs: gputui --help {out['help']['ms']['median']:.0f} ms", file=sys.stderr)
-        job = [sys.executable, os.path.join(harness.HERE, "workloads.py"), "--model", "mlp", "--loop", "fit",
-               "--steps", str(10**7), "--warmup", "0", "--out", os.path.join(tmp, "job.json")]
+        job = [
+            sys.executable,
+            os.path.join(harness.HERE, "workloads.py"),
+            "--model",
+            "mlp",
+            "--loop",
+            "fit",
+            "--steps",
+            str(10**7),
+            "--warmup",
+            "0",
+            "--out",
+            os.path.join(tmp, "job.json"),
+        ]
         with harness.background(job, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
             path = socket_path(proc.pid)
 
@@ -171,10 +207,13 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                     raise RuntimeError(f"gputui attach --json failed: {done.stderr[-500:]}")
                 attach.append(1e3 * seconds)
             out["attach_json_ms"] = harness.summary(attach)
-            out["first_render_ms"] = harness.summary([1e3 * first_render(path, proc.pid)
-                                                      for _ in range(max(2, config["runs"] // 2))])
+            out["first_render_ms"] = harness.summary(
+                [1e3 * first_render(path, proc.pid) for _ in range(max(2, config["runs"] // 2))]
+            )
             out["attach_tui"] = [attach_tui(proc.pid, hz, config["cpu_s"], env) for hz in (4, 10)]
-            print(f"tool costs: attach TUI CPU {[round(a['cpu_pct'], 1) for a in out['attach_tui']]} %", file=sys.stderr)
+            print(
+                f"tool costs: attach TUI CPU {[round(a['cpu_pct'], 1) for a in out['attach_tui']]} %", file=sys.stderr
+            )
         out["server"] = [server_cost(n, config["samples"], sample, tmp, env) for n in (0, 1, 4)]
     return out
 
@@ -182,29 +221,44 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 def markdown(r: dict[str, Any]) -> str:
     h = r["help"]
     lines = [
-        "| what | time: median (min-max) |", "| --- | --- |",
+        "| what | time: median (min-max) |",
+        "| --- | --- |",
         f"| `gputui --help` (process start to exit) | {harness.spread(h['ms'])} ms; torch imported: "
         f"{'**yes**' if h['torch_imported'] else 'no'} (loaded of torch, textual, psutil: {', '.join(h['heavy_modules_loaded']) or 'none'}) |",
         f"| `gputui attach PID --json` (process start to exit, the job's latest step printed) | "
         f"{harness.spread(r['attach_json_ms'])} ms |",
         f"| TUI first render of a job (`RemoteSource` in `App.run_test()`, 4 Hz: connect, first pull with a step, paint) | "
-        f"{harness.spread(r['first_render_ms'])} ms |"]
+        f"{harness.spread(r['first_render_ms'])} ms |",
+    ]
     for a in r["attach_tui"]:
-        lines.append(f"| `gputui attach PID --refresh {a['refresh_hz']:g}` in a pseudo-terminal: start to the job on screen | "
-                     f"{a['first_screen_s'] * 1e3:.0f} ms |")
-    lines += ["", "CPU of an attached TUI client (its process's user + system time while the job trains):", "",
-              "| refresh | CPU (% of one core) | measured over |", "| --- | --- | --- |"]
+        lines.append(
+            f"| `gputui attach PID --refresh {a['refresh_hz']:g}` in a pseudo-terminal: start to the job on screen | "
+            f"{a['first_screen_s'] * 1e3:.0f} ms |"
+        )
+    lines += [
+        "",
+        "CPU of an attached TUI client (its process's user + system time while the job trains):",
+        "",
+        "| refresh | CPU (% of one core) | measured over |",
+        "| --- | --- | --- |",
+    ]
     for a in r["attach_tui"]:
         lines.append(f"| {a['refresh_hz']:g} Hz | {a['cpu_pct']:.1f}% | {a['wall_s']:.1f} s |")
-    lines += ["", f"Telemetry server, samples published at {PUBLISH_HZ} Hz (a 2 ms step): `hub.publish()` on the "
-              "training thread (the server's sink only appends to a deque), and the server thread's CPU per sample "
-              "(serializing once, writing to every client).", "",
-              "| clients | publish: median (min-max) | publish p99 | server thread CPU per sample | samples received |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"Telemetry server, samples published at {PUBLISH_HZ} Hz (a 2 ms step): `hub.publish()` on the "
+        "training thread (the server's sink only appends to a deque), and the server thread's CPU per sample "
+        "(serializing once, writing to every client).",
+        "",
+        "| clients | publish: median (min-max) | publish p99 | server thread CPU per sample | samples received |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for s in r["server"]:
         got = ", ".join(str(x) for x in s["received"]) or "-"
-        lines.append(f"| {s['clients']} | {harness.spread(s['publish_us'])} us | {harness.fmt(s['publish_us_p99'])} us | "
-                     f"{harness.fmt(s['server_cpu_us_per_sample'])} us | {got} of {s['samples']} |")
+        lines.append(
+            f"| {s['clients']} | {harness.spread(s['publish_us'])} us | {harness.fmt(s['publish_us_p99'])} us | "
+            f"{harness.fmt(s['server_cpu_us_per_sample'])} us | {got} of {s['samples']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -18,16 +18,18 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from itertools import pairwise
+from typing import Any
 
 import torch
 
 from gputui.engine.microbatch import to_device
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos"))
-import gpt as demo_gpt  # noqa: E402  (demos/ on the path first)
-import mlp as demo_mlp  # noqa: E402
+import gpt as demo_gpt
+import mlp as demo_mlp
 
 
 @dataclass
@@ -58,8 +60,9 @@ def _make(name: str, seed: int, batch: int | None, distinct: int) -> Workload:
         width, depth = demo_mlp.SIZES["tiny"]
         batch = batch or 256
         model = demo_mlp.MLP(64, width, depth, 10)
-        batches = [(torch.randn(batch, 64, generator=g), torch.randint(10, (batch,), generator=g))
-                   for _ in range(distinct)]
+        batches = [
+            (torch.randn(batch, 64, generator=g), torch.randint(10, (batch,), generator=g)) for _ in range(distinct)
+        ]
         what = f"demos/mlp.py tiny (width {width}, depth {depth}), batch {batch}, AdamW"
         return Workload(name, what, model, batches, demo_mlp.step, batch)
     if name == "gpt":
@@ -103,8 +106,15 @@ def thread_cpu() -> dict[str, float]:
     python = {t.native_id for t in threading.enumerate()}
     out = {"training": 0.0, "ui": 0.0, "gputui threads": 0.0, "torch threads": 0.0}
     for t in psutil.Process().threads():
-        role = "training" if t.id == me else "ui" if t.id == main else "gputui threads" if t.id in python \
+        role = (
+            "training"
+            if t.id == me
+            else "ui"
+            if t.id == main
+            else "gputui threads"
+            if t.id in python
             else "torch threads"
+        )
         out[role] += t.user_time + t.system_time
     return out
 
@@ -197,7 +207,7 @@ def main() -> None:
     if args.loop == "interleaved":
         data = Interleaved(w, args.warmup + args.steps)
         fit_loop(w, data)
-        write(args.out, {"plain": data.plain[args.warmup:-1], "fit": data.fit[args.warmup:]})
+        write(args.out, {"plain": data.plain[args.warmup : -1], "fit": data.fit[args.warmup :]})
         return
     if args.loop == "alternating":
         write(args.out, alternating(w, args.blocks, args.warmup + args.steps, args.warmup))
@@ -206,13 +216,17 @@ def main() -> None:
     (plain_loop if args.loop == "plain" else fit_loop)(w, data)
     end = _end(w)
     cpu = thread_cpu()
-    times = data.times[args.warmup:] + [end]
-    steps = sorted(b - a for a, b in zip(times, times[1:]))
+    times = data.times[args.warmup :] + [end]
+    steps = sorted(b - a for a, b in pairwise(times))
     median = 1e3 * steps[len(steps) // 2] if args.device == "cpu" else None  # a GPU's steps end out of sight
-    result = {"samples_per_s": args.steps * w.batch_size / (end - times[0]),
-              "step_ms_median": median, "steps": args.steps, "warmup": args.warmup,
-              "threads": torch.get_num_threads(),
-              "cpu_pct": {k: 100 * (cpu[k] - data.cpu_start.get(k, 0.0)) / (end - times[0]) for k in cpu}}
+    result = {
+        "samples_per_s": args.steps * w.batch_size / (end - times[0]),
+        "step_ms_median": median,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "cpu_pct": {k: 100 * (cpu[k] - data.cpu_start.get(k, 0.0)) / (end - times[0]) for k in cpu},
+    }
     write(args.out, result)
 
 

@@ -12,7 +12,9 @@ def parser(description: str, *, steps: int, batch: int) -> argparse.ArgumentPars
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
     p.add_argument("--epochs", type=int, default=None, help="passes over the data (default: as --steps needs)")
     p.add_argument("--batch", type=int, default=batch, help=f"global batch size (default {batch})")
-    p.add_argument("--micro-batch", type=int, default=None, help="start with this micro-batch (default: the whole batch)")
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="start with this micro-batch (default: the whole batch)"
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, mps or cpu (default: the best there is)")
     p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16", "auto"], help="mixed precision")
     p.add_argument("--checkpointing", action="store_true", help="start with activation checkpointing on")
@@ -30,16 +32,22 @@ def apply_size(args: argparse.Namespace, sizes: dict[str, tuple[int, ...]], name
     import torch
 
     size = args.size or ("large" if torch.cuda.is_available() and args.device in (None, "cuda") else "small")
-    for name, value in zip(names, sizes[size]):
+    for name, value in zip(names, sizes[size], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
 
 
 def fit_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        epochs=args.epochs, max_steps=args.steps, micro_batch=args.micro_batch, device=args.device,
-        amp=args.amp, checkpointing=args.checkpointing, memory_budget=args.memory_budget,
-        auto_recover=not args.manual, metrics=args.metrics,
+        epochs=args.epochs,
+        max_steps=args.steps,
+        micro_batch=args.micro_batch,
+        device=args.device,
+        amp=args.amp,
+        checkpointing=args.checkpointing,
+        memory_budget=args.memory_budget,
+        auto_recover=not args.manual,
+        metrics=args.metrics,
     )
 
 

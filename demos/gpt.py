@@ -1,7 +1,7 @@
 """Demo: a small GPT-style language model on synthetic tokens from a random Markov chain.
 
-    python demos/gpt.py                        # small, quick on a CPU
-    python demos/gpt.py --width 768 --layers 12 --seq 1024 --batch 32   # big enough to hurt a GPU
+python demos/gpt.py                        # small, quick on a CPU
+python demos/gpt.py --width 768 --layers 12 --seq 1024 --batch 32   # big enough to hurt a GPU
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 
 import common
-import gputui
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+import gputui
 
 
 class Attention(nn.Module):
@@ -101,8 +102,12 @@ class MarkovTokens:
 
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0], steps=200, batch=32)
-    p.add_argument("--size", choices=sorted(SIZES), default=None,
-                   help="a preset for the four flags below (default: small on a CPU, large on a GPU)")
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="a preset for the four flags below (default: small on a CPU, large on a GPU)",
+    )
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
@@ -119,7 +124,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
+    )
     result = gputui.fit(model, data, step, optimizer, scheduler=scheduler, **common.fit_kwargs(args))
     common.finish(model, result, args)
 

@@ -1,18 +1,18 @@
 """Demo: a residual MLP learns a random teacher network's labels (synthetic data, nothing downloaded).
 
-    python demos/mlp.py                      # headless, with a progress line
-    gputui run --headless demos/mlp.py --memory-budget 8MiB   # watch OOMs being recovered
+python demos/mlp.py                      # headless, with a progress line
+gputui run --headless demos/mlp.py --memory-budget 8MiB   # watch OOMs being recovered
 """
 
 from __future__ import annotations
 
 import common
-import gputui
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import gputui
 
 # width, depth
 SIZES = {"tiny": (32, 2), "small": (128, 4), "large": (2048, 16)}
@@ -50,8 +50,12 @@ def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0], steps=400, batch=256)
-    p.add_argument("--size", choices=sorted(SIZES), default=None,
-                   help="a preset for --width and --depth (default: small on a CPU, large on a GPU)")
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="a preset for --width and --depth (default: small on a CPU, large on a GPU)",
+    )
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--features", type=int, default=64)

@@ -24,11 +24,14 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name == "fit":
         from .engine.loop import fit
+
         return fit
     if name == "save":
         from .engine.saving import save
+
         return save
     if name in ("FitResult", "FitError"):
         from .engine import result
+
         return getattr(result, name)
     raise AttributeError(f"module 'gputui' has no attribute {name!r}")

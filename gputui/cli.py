@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import __version__
 from .units import parse_size
@@ -37,48 +37,73 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = commands.add_parser(
-        "run", help="run a training script under gputui",
+        "run",
+        help="run a training script under gputui",
         description="Run SCRIPT as `python SCRIPT ARGS...` would, with gputui steering its fit() calls.",
     )
-    run.add_argument("--headless", action="store_true",
-                     help="no TUI: a progress line on stdout (for nohup, CI and logs)")
-    run.add_argument("--metrics", metavar="FILE",
-                     help="write one JSON line per step and per event to FILE")
-    run.add_argument("--memory-budget", metavar="SIZE", type=_size,
-                     help="act as if the device had only SIZE (e.g. 512MiB): crossing it raises "
-                          "torch.OutOfMemoryError inside the step")
-    run.add_argument("--gpu-memory-limit", metavar="SIZE", type=_size,
-                     help="on CUDA, let this process allocate only SIZE (e.g. 8GiB): act like a smaller GPU")
-    run.add_argument("--memory-history", action="store_true", default=None,
-                     help="record the CUDA allocator's history from the start and dump a snapshot at an OOM")
+    run.add_argument(
+        "--headless", action="store_true", help="no TUI: a progress line on stdout (for nohup, CI and logs)"
+    )
+    run.add_argument("--metrics", metavar="FILE", help="write one JSON line per step and per event to FILE")
+    run.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        type=_size,
+        help="act as if the device had only SIZE (e.g. 512MiB): crossing it raises "
+        "torch.OutOfMemoryError inside the step",
+    )
+    run.add_argument(
+        "--gpu-memory-limit",
+        metavar="SIZE",
+        type=_size,
+        help="on CUDA, let this process allocate only SIZE (e.g. 8GiB): act like a smaller GPU",
+    )
+    run.add_argument(
+        "--memory-history",
+        action="store_true",
+        default=None,
+        help="record the CUDA allocator's history from the start and dump a snapshot at an OOM",
+    )
     run.add_argument("--snapshot-dir", metavar="DIR", help="where memory snapshots go (default ./gputui-snapshots)")
-    run.add_argument("--refresh", metavar="HZ", type=_rate, default=4.0,
-                     help="screen updates per second (default 4; 1 to 30)")
+    run.add_argument(
+        "--refresh", metavar="HZ", type=_rate, default=4.0, help="screen updates per second (default 4; 1 to 30)"
+    )
     run.add_argument("script", metavar="SCRIPT", help="the training script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    jobs = commands.add_parser("jobs", help="list your running gputui jobs",
-                               description="The gputui training processes of this user: one line each.")
+    jobs = commands.add_parser(
+        "jobs",
+        help="list your running gputui jobs",
+        description="The gputui training processes of this user: one line each.",
+    )
     jobs.add_argument("--json", action="store_true", help="print them as JSON")
 
     attach = commands.add_parser(
-        "attach", help="watch (or steer) a running job from another terminal",
-        description="The same screen as `gputui run`, fed from a running job's socket. Watch-only unless --control.")
+        "attach",
+        help="watch (or steer) a running job from another terminal",
+        description="The same screen as `gputui run`, fed from a running job's socket. Watch-only unless --control.",
+    )
     attach.add_argument("target", metavar="PID|SOCKET", nargs="?", help="the job (default: the only one, or ask)")
     attach.add_argument("--control", action="store_true", help="let the keys steer the job, as in `gputui run`")
     attach.add_argument("--json", action="store_true", help="print the latest sample as JSON and exit")
     attach.add_argument("--refresh", metavar="HZ", type=_rate, default=4.0, help="screen updates per second")
 
     ctl = commands.add_parser(
-        "ctl", help="send one control to a running job",
-        description="Send one control to a running job and print what it applied. ACTION: " + _ctl_actions())
+        "ctl",
+        help="send one control to a running job",
+        description="Send one control to a running job and print what it applied. ACTION: " + _ctl_actions(),
+    )
     ctl.add_argument("target", metavar="PID|SOCKET", help="the job")
     ctl.add_argument("action", metavar="ACTION", nargs="+", help="e.g. halve-batch, amp bf16, checkpointing on")
-    ctl.add_argument("--timeout", metavar="S", type=float, default=60.0,
-                     help="seconds to wait for the job to apply it (default 60)")
+    ctl.add_argument(
+        "--timeout", metavar="S", type=float, default=60.0, help="seconds to wait for the job to apply it (default 60)"
+    )
 
-    watch = commands.add_parser("watch", help="show every GPU and its processes (NVML)",
-                                description="Show every NVIDIA GPU and the processes on it, as NVML reports them.")
+    watch = commands.add_parser(
+        "watch",
+        help="show every GPU and its processes (NVML)",
+        description="Show every NVIDIA GPU and the processes on it, as NVML reports them.",
+    )
     watch.add_argument("--once", action="store_true", help="print one reading and exit")
     watch.add_argument("--json", action="store_true", help="with --once: print the reading as JSON")
     watch.add_argument("--refresh", metavar="HZ", type=_rate, default=1.0, help="readings per second (default 1)")
@@ -106,8 +131,9 @@ def _jobs(options: argparse.Namespace) -> int:
         print(f"gputui: error: {exc}", file=sys.stderr)
         return 1
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        print("gputui: error: attach needs a terminal; `gputui attach --json` prints the latest sample",
-              file=sys.stderr)
+        print(
+            "gputui: error: attach needs a terminal; `gputui attach --json` prints the latest sample", file=sys.stderr
+        )
         return 2
     from .tui.runner import attach_tui
 
@@ -117,9 +143,9 @@ def _jobs(options: argparse.Namespace) -> int:
 def _run(options: argparse.Namespace) -> int:
     from .launch import ScriptNotFound, check_script, run_script, survive_hangup
     from .telemetry import hub as hubs
-    from .telemetry.server import serve
     from .telemetry.jsonl import MetricsFile
     from .telemetry.progress import ProgressLine
+    from .telemetry.server import serve
 
     try:
         check_script(options.script)
@@ -127,12 +153,20 @@ def _run(options: argparse.Namespace) -> int:
         print(f"gputui: error: {exc}", file=sys.stderr)
         return 2
     if not options.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
-        print("gputui: error: the TUI needs a terminal; use `gputui run --headless` (e.g. under nohup or CI)",
-              file=sys.stderr)
+        print(
+            "gputui: error: the TUI needs a terminal; use `gputui run --headless` (e.g. under nohup or CI)",
+            file=sys.stderr,
+        )
         return 2
-    hub = hubs.Hub(hubs.Overrides(
-        memory_budget=options.memory_budget, gpu_memory_limit=options.gpu_memory_limit,
-        memory_history=options.memory_history, snapshot_dir=options.snapshot_dir, metrics=options.metrics))
+    hub = hubs.Hub(
+        hubs.Overrides(
+            memory_budget=options.memory_budget,
+            gpu_memory_limit=options.gpu_memory_limit,
+            memory_history=options.memory_history,
+            snapshot_dir=options.snapshot_dir,
+            metrics=options.metrics,
+        )
+    )
     metrics = None
     if options.metrics:
         try:

@@ -15,7 +15,8 @@ import ctypes
 import os
 import signal
 import threading
-from typing import Any, Callable, Iterator, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 _HELD = (signal.SIGINT, signal.SIGTERM)
 

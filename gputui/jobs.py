@@ -16,8 +16,17 @@ from typing import Any, TextIO
 from .telemetry.client import Connection, Welcome, wait_for_answer
 from .telemetry.controls import ACTIONS
 from .telemetry.describe import describe
-from .telemetry.paths import (ForeignPeer, Job, UnsafeDirectory, check_socket, existing_dir, find_jobs, pid_alive,
-                              socket_dir, socket_path)
+from .telemetry.paths import (
+    ForeignPeer,
+    Job,
+    UnsafeDirectory,
+    check_socket,
+    existing_dir,
+    find_jobs,
+    pid_alive,
+    socket_dir,
+    socket_path,
+)
 from .telemetry.protocol import ProtocolError
 from .telemetry.sample import Event
 
@@ -116,7 +125,12 @@ def row(job: Job) -> dict[str, Any]:
         error = str(_failed(job, exc))
     else:
         return _row(job, welcome)
-    return {"pid": job.pid, "socket": job.path, "error": error, "summary": f"{job.pid:>7}  {'?':<16} {'-':<8} {'no answer':<9} {'-':>11}  {'-':>9}  {job.path}"}
+    return {
+        "pid": job.pid,
+        "socket": job.path,
+        "error": error,
+        "summary": f"{job.pid:>7}  {'?':<16} {'-':<8} {'no answer':<9} {'-':>11}  {'-':>9}  {job.path}",
+    }
 
 
 def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
@@ -125,15 +139,33 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     argv = info.get("argv") or hello.get("argv") or ["?"]
     latest = welcome.latest or {}
     summary = hello.get("summary")
-    state = ("failed" if summary.get("error") else "stopped" if summary.get("stopped") else "finished") \
-        if summary else "training" if info else "starting"
-    data = {"pid": job.pid, "script": os.path.basename(argv[0]), "args": argv[1:],
-            "device": info.get("device"), "device_name": info.get("device_name"), "state": state,
-            "step": latest.get("step"), "total_steps": info.get("total_steps"), "loss": latest.get("loss"),
-            "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1), "socket": job.path}
-    step = "-" if data["step"] is None else f"{data['step']}" + (f"/{data['total_steps']}" if data["total_steps"] else "")
-    data["summary"] = (f"{job.pid:>7}  {data['script'][:40]:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
-                       f"{step:>11}  {_uptime(data['uptime_s']):>9}  {job.path}")
+    state = (
+        ("failed" if summary.get("error") else "stopped" if summary.get("stopped") else "finished")
+        if summary
+        else "training"
+        if info
+        else "starting"
+    )
+    data = {
+        "pid": job.pid,
+        "script": os.path.basename(argv[0]),
+        "args": argv[1:],
+        "device": info.get("device"),
+        "device_name": info.get("device_name"),
+        "state": state,
+        "step": latest.get("step"),
+        "total_steps": info.get("total_steps"),
+        "loss": latest.get("loss"),
+        "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1),
+        "socket": job.path,
+    }
+    step = (
+        "-" if data["step"] is None else f"{data['step']}" + (f"/{data['total_steps']}" if data["total_steps"] else "")
+    )
+    data["summary"] = (
+        f"{job.pid:>7}  {data['script'][:40]:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
+        f"{step:>11}  {_uptime(data['uptime_s']):>9}  {job.path}"
+    )
     return data
 
 
@@ -170,8 +202,13 @@ def attach_json(job: Job, out: TextIO) -> int:
 # ctl words -> (action, value words -> values): each control action, its word without "set_"
 _CTL: dict[str, tuple[str, dict[str, Any] | None]] = {
     action.removeprefix("set_").replace("_", "-"): (
-        action, None if allowed is None else {"on": True, "off": False} if allowed == (True, False)
-        else {str(v): v for v in allowed})
+        action,
+        None
+        if allowed is None
+        else {"on": True, "off": False}
+        if allowed == (True, False)
+        else {str(v): v for v in allowed},
+    )
     for action, allowed in ACTIONS.items()
 }
 CTL_ACTIONS = ", ".join(f"{word} {'|'.join(v[1])}" if isinstance(v[1], dict) else word for word, v in _CTL.items())
@@ -204,8 +241,10 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
         except (OSError, ProtocolError) as exc:
             raise _failed(job, exc) from None
     if answer is None:
-        out.write(f"job {job.pid}: requested, not applied within {timeout:g} s (a long step, or paused "
-                  "waiting elsewhere?); it applies at the next step boundary\n")
+        out.write(
+            f"job {job.pid}: requested, not applied within {timeout:g} s (a long step, or paused "
+            "waiting elsewhere?); it applies at the next step boundary\n"
+        )
         return 1
     event = Event.from_json(answer)
     out.write(f"job {job.pid}: after step {event.step}: {describe(event)}\n")

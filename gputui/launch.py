@@ -13,7 +13,8 @@ import os
 import sys
 import traceback
 import types
-from typing import Any, Callable, Iterator, TextIO
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
 
 from .engine.result import FitError  # no torch: result.py holds plain dataclasses
 from .telemetry.describe import diagnosis_text
@@ -62,7 +63,7 @@ class _Tee:
         written = self._stream.write(text)
         try:
             self._feed(text)
-        except Exception:  # noqa: BLE001 - parsing must never break the script's output
+        except Exception:
             pass
         return written
 
@@ -150,7 +151,7 @@ def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe
         failure = f"syntax error at {where}: {exc.msg}"
         err.write(f"gputui: {name} has a syntax error at {where}: {exc.msg}\n")
         return 1
-    except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported, not re-raised
+    except BaseException as exc:
         failure = f"{type(exc).__name__}: {exc}"
         err.write(user_traceback(exc))
         if observer is not None and observer.is_oom(exc):  # the failed step's tensors are still alive

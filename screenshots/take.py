@@ -41,8 +41,7 @@ async def shoot(name: str, demo: str, args: list[str], size: tuple[int, int], sc
     hub = hubs.Hub()
     hubs.install(hub)
     script = str(ROOT / "demos" / demo)
-    app = GputuiApp(LocalSource(hub), script=demo, refresh=8,
-                    runner=lambda err: run_script(script, args, err=err))
+    app = GputuiApp(LocalSource(hub), script=demo, refresh=8, runner=lambda err: run_script(script, args, err=err))
     async with app.run_test(size=size) as pilot:
         await scene(app, pilot, hub)
         await pilot.pause(0.3)
@@ -92,8 +91,11 @@ def per_character(svg: str) -> str:
         x = float(re.search(r'\bx="([\d.]+)"', attrs).group(1))
         step = float(re.search(r'\btextLength="([\d.]+)"', attrs).group(1)) / len(chars)
         rest = re.sub(r'\s(x|textLength)="[\d.]+"', "", attrs)
-        return "".join(f'<text{rest} x="{x + i * step:.2f}" textLength="{step:.2f}">{c}</text>'
-                       for i, c in enumerate(chars) if c not in (" ", "&#160;"))
+        return "".join(
+            f'<text{rest} x="{x + i * step:.2f}" textLength="{step:.2f}">{c}</text>'
+            for i, c in enumerate(chars)
+            if c not in (" ", "&#160;")
+        )
 
     return re.sub(r"<text([^>]*)>([^<]*)</text>", split, svg)
 

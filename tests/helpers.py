@@ -72,8 +72,14 @@ def conv_batches(n: int, size: int, seed: int = 0, last: int | None = None):
 
 def token_batches(n: int, size: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(20, (size, 7), generator=g), "target": torch.randint(20, (size, 7), generator=g),
-             "lang": "xx"} for _ in range(n)]
+    return [
+        {
+            "tokens": torch.randint(20, (size, 7), generator=g),
+            "target": torch.randint(20, (size, 7), generator=g),
+            "lang": "xx",
+        }
+        for _ in range(n)
+    ]
 
 
 def plain_loop(model: nn.Module, batches, step, make_optimizer, epochs: int = 1, scheduler=None):
@@ -107,7 +113,7 @@ def plain_accumulating_loop(model: nn.Module, batches, step, optimizer, micro_ba
     given micro-batches, each loss weighted by its share, one optimizer step a batch, no OOM."""
     for batch, size in zip(batches, micro_batches, strict=True):
         total = len(batch[0])
-        pieces = list(zip(*(t.split(size) for t in batch)))
+        pieces = list(zip(*(t.split(size) for t in batch), strict=True))
         for piece in pieces:
             loss = step(model, piece)
             (loss * (len(piece[0]) / total) if len(pieces) > 1 else loss).backward()
@@ -119,7 +125,7 @@ def plain_accumulating_loop(model: nn.Module, batches, step, optimizer, micro_ba
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
     """Running statistics (running_mean, running_var, num_batches_tracked) equal to the last bit."""
     for (name, x), y in zip(a.named_buffers(), b.buffers(), strict=True):
-        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def twins(factory, seed: int = 0):
@@ -129,8 +135,8 @@ def twins(factory, seed: int = 0):
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-5, rtol: float = 1e-4) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
@@ -155,9 +161,14 @@ class RequestAt:
     def __init__(self, hub, n, action, value=None):
         self.hub, self.n, self.action, self.value = hub, n, action, value
 
-    def on_start(self, info): pass
-    def on_event(self, event): pass
-    def on_end(self, summary): pass
+    def on_start(self, info):
+        pass
+
+    def on_event(self, event):
+        pass
+
+    def on_end(self, summary):
+        pass
 
     def on_sample(self, sample):
         if sample.step == self.n:

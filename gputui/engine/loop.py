@@ -15,7 +15,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +45,6 @@ MAX_RETRIES = 16
 
 THRASHING_STEPS = 3
 """Steps in a row with new allocator retries before a pre-emptive halving."""
-
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -118,8 +118,14 @@ def fit(
 
 
 class _Trainer:
-    def __init__(self, model: nn.Module, data: Iterable[Any], step: Callable[[nn.Module, Any], torch.Tensor],
-                 optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Iterable[Any],
+        step: Callable[[nn.Module, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        options: dict[str, Any],
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(step):
@@ -169,13 +175,22 @@ class _Trainer:
         # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
         self.min_micro_batch = 2 if self.buffers.batch_norms else 1
         if micro_batch is not None and micro_batch < self.min_micro_batch:
-            raise ValueError(f"micro_batch={micro_batch}, but the model has BatchNorm layers and "
-                             f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead")
+            raise ValueError(
+                f"micro_batch={micro_batch}, but the model has BatchNorm layers and "
+                f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead"
+            )
         # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
-        self.tracker = (StateTracker(model, optimizer, self.budget)
-                        if self.device.type == "cpu" or self.budget is not None else None)
-        self.probe = for_device(self.device, self.tracker, limit=gpu_limit,
-                                nvml=_nvml_view(hub, self.device) if self.device.type == "cuda" else None)
+        self.tracker = (
+            StateTracker(model, optimizer, self.budget)
+            if self.device.type == "cpu" or self.budget is not None
+            else None
+        )
+        self.probe = for_device(
+            self.device,
+            self.tracker,
+            limit=gpu_limit,
+            nvml=_nvml_view(hub, self.device) if self.device.type == "cuda" else None,
+        )
         self.memory_history = bool(o["memory_history"]) and snapshot.unavailable(self.device) is None
         if self.memory_history:
             snapshot.start_history()
@@ -215,7 +230,8 @@ class _Trainer:
                 if self.budget is not None and self.tracker.total > self.budget:
                     raise FitError(
                         f"the memory budget ({format_bytes(self.budget)}) is smaller than the model's "
-                        f"parameters and optimizer state ({format_bytes(self.tracker.total)}): no batch can fit")
+                        f"parameters and optimizer state ({format_bytes(self.tracker.total)}): no batch can fit"
+                    )
             self._loop()
             if self.stop_reason:
                 self._emit("stopped", reason=self.stop_reason)
@@ -260,7 +276,8 @@ class _Trainer:
                     raise FitError("data yielded no batches: nothing to train on")
                 raise FitError(
                     f"data yielded no batches in epoch {epoch + 1}: it can be iterated only once "
-                    "(a generator?); pass a DataLoader or a list, or set epochs=1")
+                    "(a generator?); pass a DataLoader or a list, or set epochs=1"
+                )
             self.epochs_done += 1
             epoch += 1
 
@@ -297,8 +314,7 @@ class _Trainer:
         return self.stop_reason
 
     def _refuse(self, control: Control, reason: str) -> bool:
-        self._emit("control_refused", action=control.action, value=control.value, reason=reason,
-                   **control.answer())
+        self._emit("control_refused", action=control.action, value=control.value, reason=reason, **control.answer())
         return False
 
     def _apply(self, control: Control) -> bool:
@@ -321,8 +337,9 @@ class _Trainer:
                 if current >= self.batch_size:
                     return refuse(f"the micro-batch already equals the global batch ({self.batch_size})")
                 new = min(current * 2, self.batch_size)
-            self._emit("micro_batch_changed", **{"from": current, "to": new},
-                       accumulation=self._accumulation(new), **meta)
+            self._emit(
+                "micro_batch_changed", **{"from": current, "to": new}, accumulation=self._accumulation(new), **meta
+            )
             self.micro_batch = new
         elif action == "set_amp":
             if value == self.precision.mode:
@@ -391,8 +408,9 @@ class _Trainer:
         try:
             while True:
                 if self.tracker is not None:  # what this step saves for backward depends on these alone
-                    self.tracker.start_step((self._micro_batch(), self.precision.mode,
-                                             self.checkpointing.enabled, shapes(batch)))
+                    self.tracker.start_step(
+                        (self._micro_batch(), self.precision.mode, self.checkpointing.enabled, shapes(batch))
+                    )
                 self.probe.start_step()
                 oom = self._attempt(batch, self._baseline)
                 if oom is None:
@@ -446,7 +464,7 @@ class _Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if tracker is not None:
                 tracker.reset()
-        except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised as is
+        except Exception as exc:
             if not is_oom(exc):
                 raise
             if self.memory_history:  # now, while the failed step's tensors are still alive
@@ -466,10 +484,13 @@ class _Trainer:
         if loss.numel() != 1:
             raise FitError(
                 f"step() must return a scalar loss (the mean over the batch), got a tensor of shape "
-                f"{tuple(loss.shape)}: reduce it with .mean()")
+                f"{tuple(loss.shape)}: reduce it with .mean()"
+            )
         if not loss.requires_grad:
-            raise FitError("the loss returned by step() does not require grad: was it computed under "
-                           "torch.no_grad(), or are all parameters frozen?")
+            raise FitError(
+                "the loss returned by step() does not require grad: was it computed under "
+                "torch.no_grad(), or are all parameters frozen?"
+            )
 
     def _drop_step(self) -> None:
         """After an OOM: no gradient, no cached block, no counted byte, no draw from a generator and no
@@ -483,26 +504,35 @@ class _Trainer:
 
     def _recover(self, oom: OomInfo, retries: int) -> bool:
         """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end."""
-        details = {"phase": oom.phase, "message": oom.message, "micro_batch": oom.micro_batch,
-                   "attempt": retries, "allocated_before": oom.allocated_before,
-                   "leaked": max(0, self.probe.allocated() - oom.allocated_before)}
+        details = {
+            "phase": oom.phase,
+            "message": oom.message,
+            "micro_batch": oom.micro_batch,
+            "attempt": retries,
+            "allocated_before": oom.allocated_before,
+            "leaked": max(0, self.probe.allocated() - oom.allocated_before),
+        }
         if oom.phase == "optimizer":
             self._emit("oom", **details, recovered=False)
             raise FitError(
                 f"out of memory inside optimizer.step() at step {self.steps + 1}: not safe to retry (the "
                 "parameters may be partly updated), so training stops. Optimizer state does not shrink "
                 "with the micro-batch: use a lighter optimizer, fewer trainable parameters or more "
-                f"memory. [{oom.message}]")
+                f"memory. [{oom.message}]"
+            )
         if retries > MAX_RETRIES:
             self._emit("oom", **details, recovered=False)
-            raise FitError(f"gave up after {MAX_RETRIES} out-of-memory errors in a row on the same batch "
-                           f"(last in {oom.phase}: {oom.message})")
+            raise FitError(
+                f"gave up after {MAX_RETRIES} out-of-memory errors in a row on the same batch "
+                f"(last in {oom.phase}: {oom.message})"
+            )
         if self.auto_recover:
             if oom.micro_batch <= 1:
                 self._emit("oom", **details, recovered=False)
                 raise FitError(
                     f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
-                    f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})")
+                    f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
+                )
             if oom.micro_batch <= self.min_micro_batch:
                 self._emit("oom", **details, recovered=False)
                 raise FitError(
@@ -510,12 +540,12 @@ class _Trainer:
                     f"BatchNorm layers: {BATCH_NORM_FLOOR}, so it cannot be halved again. Replace them "
                     "with GroupNorm or LayerNorm (they do not depend on the batch), or make room: AMP "
                     "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
-                    f"helps with the batch spread over several GPUs) ({oom.message})")
+                    f"helps with the batch spread over several GPUs) ({oom.message})"
+                )
             new = max(oom.micro_batch // 2, self.min_micro_batch)
             self.ooms_recovered += 1
             self.micro_batch = new
-            self._emit("oom_recovered", **details, micro_batch_to=new,
-                       accumulation=self._accumulation(new))
+            self._emit("oom_recovered", **details, micro_batch_to=new, accumulation=self._accumulation(new))
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
         self._emit("oom", **details, recovered=False, waiting=True)
@@ -551,8 +581,14 @@ class _Trainer:
             current = self._micro_batch()
             self.micro_batch = max(current // 2, self.min_micro_batch)
             self._retries = (retries, 0)
-            self._emit("thrashing", alloc_retries=retries, steps=streak, micro_batch=current,
-                       micro_batch_to=self.micro_batch, accumulation=self._accumulation(self.micro_batch))
+            self._emit(
+                "thrashing",
+                alloc_retries=retries,
+                steps=streak,
+                micro_batch=current,
+                micro_batch_to=self.micro_batch,
+                accumulation=self._accumulation(self.micro_batch),
+            )
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -565,18 +601,30 @@ class _Trainer:
         if not math.isfinite(self.loss) and not self._warned_loss:
             self._warned_loss = True
             self._emit("loss_not_finite", loss=str(self.loss))
-        self.hub.publish(StepSample(
-            t=time.time(), step=self.steps, epoch=self.epoch, loss=self.loss,
-            batch_size=self.batch_size, micro_batch=self._micro_batch(), accumulation=self.accumulation,
-            amp=self.precision.mode, checkpointing=self.checkpointing.enabled, samples_per_s=rate,
-            memory=memory, samples=self.samples, host=self._host,
-        ))
+        self.hub.publish(
+            StepSample(
+                t=time.time(),
+                step=self.steps,
+                epoch=self.epoch,
+                loss=self.loss,
+                batch_size=self.batch_size,
+                micro_batch=self._micro_batch(),
+                accumulation=self.accumulation,
+                amp=self.precision.mode,
+                checkpointing=self.checkpointing.enabled,
+                samples_per_s=rate,
+                memory=memory,
+                samples=self.samples,
+                host=self._host,
+            )
+        )
 
     def _say_batch_norm(self, size: int) -> None:
         """Once a run: micro-batching changes what BatchNorm computes, unlike every other remedy."""
         self._said_batch_norm = True
-        self._emit("batch_norm_micro_batched", layers=self.buffers.batch_norms, micro_batch=size,
-                   batch_size=self.batch_size)
+        self._emit(
+            "batch_norm_micro_batched", layers=self.buffers.batch_norms, micro_batch=size, batch_size=self.batch_size
+        )
 
     def _emit(self, name: str, **details: Any) -> None:
         event = Event(name, self.steps, details)
@@ -623,10 +671,15 @@ class _Trainer:
 
     def result(self) -> FitResult:
         return FitResult(
-            steps=self.steps, epochs=self.epochs_done, samples=self.samples,
+            steps=self.steps,
+            epochs=self.epochs_done,
+            samples=self.samples,
             micro_batch=self._micro_batch() if self.batch_size else self.micro_batch,
-            loss=self.loss, events=list(self._events), stopped=self.stop_reason,
-            amp=self.precision.mode, checkpointing=self.checkpointing.enabled,
+            loss=self.loss,
+            events=list(self._events),
+            stopped=self.stop_reason,
+            amp=self.precision.mode,
+            checkpointing=self.checkpointing.enabled,
             ooms_recovered=self.ooms_recovered,
             elapsed_s=time.monotonic() - getattr(self, "_t0", time.monotonic()),
         )
@@ -645,8 +698,9 @@ class _Trainer:
                 raise SystemExit(128 + signum)
             self._signal = names[signum]
             # No lock may be taken in a handler (the interrupted code may hold it): write directly.
-            sys.stderr.write(f"\ngputui: {self._signal}: finishing the current step, then stopping "
-                             "(again to stop at once)\n")
+            sys.stderr.write(
+                f"\ngputui: {self._signal}: finishing the current step, then stopping (again to stop at once)\n"
+            )
 
         for sig in names:
             signal.signal(sig, handler)

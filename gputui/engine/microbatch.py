@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -39,9 +39,7 @@ def batch_size(batch: Any) -> int:
     """Length of dim 0 of the first tensor in the batch; ValueError if it holds none."""
     tensor = _first_tensor(batch)
     if tensor is None:
-        raise ValueError(
-            f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}"
-        )
+        raise ValueError(f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}")
     return tensor.shape[0]
 
 
@@ -127,6 +125,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=batch.is_pinned())
     children = _children(batch)
     moved = [to_device(child, device) for child in children]
-    if all(new is old for new, old in zip(moved, children)):
+    if all(new is old for new, old in zip(moved, children, strict=True)):
         return batch  # already there (every step on a CPU): no new container
     return _rebuild_from(batch, moved)

@@ -16,7 +16,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.utils.data.dataloader as dataloader_module
@@ -132,6 +133,7 @@ class Observer:
                 if observer.tracker is not None and not observer.fitting:
                     observer.tracker.sync_grads()  # set_to_none freed them: stop counting them
                 return result
+
             return wrapper
 
         def scale(scaler: Any, outputs: Any) -> Any:
@@ -145,8 +147,10 @@ class Observer:
             observer._hide_hooks()
             return compiled
 
-        hooks = [register_optimizer_step_pre_hook(self._before_step),
-                 register_optimizer_step_post_hook(self._after_step)]
+        hooks = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
         torch.autograd.backward = backward
         torch.optim.Optimizer.__init__ = init
         dataloader_module._BaseDataLoaderIter.__next__ = next_batch
@@ -217,8 +221,9 @@ class Observer:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.tracker = StateTracker(params, optimizer, self.budget) \
-            if device.type == "cpu" or self.budget is not None else None
+        self.tracker = (
+            StateTracker(params, optimizer, self.budget) if device.type == "cpu" or self.budget is not None else None
+        )
         self.probe = for_device(device, self.tracker)
         self._start_step()
 
@@ -227,15 +232,31 @@ class Observer:
         assert self.optimizer is not None and self.probe is not None
         self._started = True
         params, optimizer = self._params(), self.optimizer
-        self.hub.start({
-            "mode": "observe", "pid": os.getpid(), "started": time.time(), "argv": list(sys.argv),
-            "device": str(self.device), "device_name": self.probe.name, "model": "own loop",
-            "params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
-            "optimizer": type(optimizer).__name__, "epochs": None, "max_steps": None, "steps_per_epoch": None,
-            "total_steps": None, "micro_batch": None, "amp": "off", "checkpointing": False,
-            "checkpointing_unavailable": NEEDS_FIT, "needs_fit": NEEDS_FIT, "auto_recover": False,
-            "memory_budget": self.budget,
-        })
+        self.hub.start(
+            {
+                "mode": "observe",
+                "pid": os.getpid(),
+                "started": time.time(),
+                "argv": list(sys.argv),
+                "device": str(self.device),
+                "device_name": self.probe.name,
+                "model": "own loop",
+                "params": sum(p.numel() for p in params),
+                "trainable": sum(p.numel() for p in params if p.requires_grad),
+                "optimizer": type(optimizer).__name__,
+                "epochs": None,
+                "max_steps": None,
+                "steps_per_epoch": None,
+                "total_steps": None,
+                "micro_batch": None,
+                "amp": "off",
+                "checkpointing": False,
+                "checkpointing_unavailable": NEEDS_FIT,
+                "needs_fit": NEEDS_FIT,
+                "auto_recover": False,
+                "memory_budget": self.budget,
+            }
+        )
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is self.optimizer and not self.fitting:
@@ -274,11 +295,25 @@ class Observer:
         steps_per_s, samples_per_s = self._rate.add(now, self.steps, self.samples)
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
-        self.hub.publish(StepSample(
-            t=time.time(), step=self.steps, epoch=epoch, loss=self.loss, batch_size=batch,
-            micro_batch=batch // accumulation if batch else 0, accumulation=accumulation, amp=self.amp,
-            checkpointing=False, samples_per_s=samples_per_s, memory=self.probe.read(), samples=self.samples,
-            host=self._host, loss_source=self.loss_source, steps_per_s=steps_per_s))
+        self.hub.publish(
+            StepSample(
+                t=time.time(),
+                step=self.steps,
+                epoch=epoch,
+                loss=self.loss,
+                batch_size=batch,
+                micro_batch=batch // accumulation if batch else 0,
+                accumulation=accumulation,
+                amp=self.amp,
+                checkpointing=False,
+                samples_per_s=samples_per_s,
+                memory=self.probe.read(),
+                samples=self.samples,
+                host=self._host,
+                loss_source=self.loss_source,
+                steps_per_s=steps_per_s,
+            )
+        )
 
     # -- the step boundary: what needs no loop ---------------------------------------------------------
     def _boundary(self) -> None:
@@ -327,7 +362,9 @@ class Observer:
             self._emit("stopped", control, reason="requested: KeyboardInterrupt raised in the script")
             raise KeyboardInterrupt  # in the script's thread, after its optimizer.step(): as Ctrl-C would
         else:
-            reason = NEEDS_FIT if action not in ("pause", "resume") else f"already {'paused' if self.paused else 'running'}"
+            reason = (
+                NEEDS_FIT if action not in ("pause", "resume") else f"already {'paused' if self.paused else 'running'}"
+            )
             self._emit("control_refused", control, action=action, value=control.value, reason=reason)
 
     # -- the end ---------------------------------------------------------------------------------------
@@ -343,9 +380,14 @@ class Observer:
         memory = self.probe.read() if self.probe is not None else None
         top = top_training_tensors(self._params(), self.optimizer) if self.probe is not None else {"rows": []}
         details: dict[str, Any] = {
-            "diagnosis": True, "phase": phase, "where": where, "message": str(exc).strip().splitlines()[0],
-            "memory": memory.to_json() if memory else None, "top": top["rows"][:8],
-            "remedies": _remedies(phase, memory), "recovered": False,
+            "diagnosis": True,
+            "phase": phase,
+            "where": where,
+            "message": str(exc).strip().splitlines()[0],
+            "memory": memory.to_json() if memory else None,
+            "top": top["rows"][:8],
+            "remedies": _remedies(phase, memory),
+            "recovered": False,
         }
         self._emit("oom", **details)
         return details
@@ -353,10 +395,21 @@ class Observer:
     def finish(self, error: str | None) -> None:
         if not self._started:
             return
-        self.hub.end({"steps": self.steps, "epochs": self.batches.epochs_done, "samples": self.samples,
-                      "micro_batch": None, "loss": self.loss, "stopped": None, "amp": self.amp, "checkpointing": False,
-                      "ooms_recovered": 0, "elapsed_s": round(time.time() - self.hub.info["started"], 3)
-                      if self.hub.info else 0.0, "error": error})
+        self.hub.end(
+            {
+                "steps": self.steps,
+                "epochs": self.batches.epochs_done,
+                "samples": self.samples,
+                "micro_batch": None,
+                "loss": self.loss,
+                "stopped": None,
+                "amp": self.amp,
+                "checkpointing": False,
+                "ooms_recovered": 0,
+                "elapsed_s": round(time.time() - self.hub.info["started"], 3) if self.hub.info else 0.0,
+                "error": error,
+            }
+        )
 
 
 def _innermost_hooks() -> Any:
@@ -371,8 +424,11 @@ def _user_frame(exc: BaseException) -> str:
     """The innermost frame of the script's own code (not torch's, not gputui's)."""
     torch_dir = os.path.dirname(torch.__file__)
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith((torch_dir, ours)) and not f.filename.startswith("<frozen")]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((torch_dir, ours)) and not f.filename.startswith("<frozen")
+    ]
     if not frames:
         return "unknown"
     f = frames[-1]
@@ -380,19 +436,27 @@ def _user_frame(exc: BaseException) -> str:
 
 
 def _remedies(phase: str, memory: Memory | None) -> list[str]:
-    fit = "gputui.fit would have caught this OOM and replayed the batch with half the micro-batch (README: Adopting fit)"
+    fit = (
+        "gputui.fit would have caught this OOM and replayed the batch with half the micro-batch (README: Adopting fit)"
+    )
     if phase == "optimizer":
-        return ["the optimizer's state does not shrink with the batch: a lighter optimizer (SGD with momentum, "
-                "Adafactor, 8-bit Adam) or fewer trainable parameters",
-                "more memory: --gpu-memory-limit / the budget is lower than the model needs"]
-    advice = ["a smaller batch, with gradient accumulation to keep the effective batch (fit does it live: b)",
-              "activation checkpointing on the repeated blocks (fit: c)",
-              "mixed precision: torch.autocast with bf16 (fit: a)"]
+        return [
+            "the optimizer's state does not shrink with the batch: a lighter optimizer (SGD with momentum, "
+            "Adafactor, 8-bit Adam) or fewer trainable parameters",
+            "more memory: --gpu-memory-limit / the budget is lower than the model needs",
+        ]
+    advice = [
+        "a smaller batch, with gradient accumulation to keep the effective batch (fit does it live: b)",
+        "activation checkpointing on the repeated blocks (fit: c)",
+        "mixed precision: torch.autocast with bf16 (fit: a)",
+    ]
     if memory is not None and memory.fragmented and memory.reserved:
         share = memory.fragmented / memory.reserved
         if share > 0.2:
-            advice.append(f"{share:.0%} of reserved memory is fragmented: "
-                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator reuse it")
+            advice.append(
+                f"{share:.0%} of reserved memory is fragmented: "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator reuse it"
+            )
     if phase == "backward":
         advice.insert(0, "backward needs the activations saved in forward: checkpointing trades them for compute")
     return [*advice, fit]

@@ -121,8 +121,12 @@ class _HostGenerator:
 
     def end(self) -> None:
         self._stepping = False
-        if self._at_start is not None and not self.every_step and not self._fired \
-                and not self.same(self._at_start, self.get()):
+        if (
+            self._at_start is not None
+            and not self.every_step
+            and not self._fired
+            and not self.same(self._at_start, self.get())
+        ):
             self.every_step = True
             self.disarm()
         self.saved = self._at_start = None

@@ -8,7 +8,9 @@ the loop; they need no object.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +31,7 @@ class Precision:
         self.set(self.resolve(mode))
 
     def resolve(self, mode: str) -> str:
-        """"auto": bf16 where the device runs it natively, else fp16 on a GPU, else off."""
+        """ "auto": bf16 where the device runs it natively, else fp16 on a GPU, else off."""
         if mode != "auto":
             return mode
         if self.device.type == "cuda":
@@ -54,7 +56,7 @@ class Precision:
         # A fresh scaler for each fp16 period: a scale learned before is stale after a switch.
         self.scaler = torch.amp.GradScaler(self.device.type) if mode == "fp16" else None
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         if self.mode == "off":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
@@ -93,20 +95,30 @@ class Checkpointing:
         self.on_inputs: Callable[[tuple[Any, ...]], None] | None = None
         """Told each checkpointed block's inputs: the checkpoint keeps them alive for backward."""
         self._installed: list[tuple[nn.Module, Any]] = []
-        self.hf = modules is None and bool(getattr(model, "supports_gradient_checkpointing", False)) \
+        self.hf = (
+            modules is None
+            and bool(getattr(model, "supports_gradient_checkpointing", False))
             and hasattr(model, "gradient_checkpointing_enable")
+        )
         self.blocks: list[nn.Module] = [] if self.hf else list(modules) if modules is not None else find_blocks(model)
 
     @property
     def how(self) -> str:
-        return "hugging face" if self.hf else f"{len(self.blocks)} x {type(self.blocks[0]).__name__}" \
-            if self.blocks else "none"
+        return (
+            "hugging face"
+            if self.hf
+            else f"{len(self.blocks)} x {type(self.blocks[0]).__name__}"
+            if self.blocks
+            else "none"
+        )
 
     def unavailable(self) -> str | None:
         if self.hf or self.blocks:
             return None
-        return ("no repeated blocks found (no ModuleList/Sequential of same-type layers): "
-                "pass checkpoint_modules=[...] to fit()")
+        return (
+            "no repeated blocks found (no ModuleList/Sequential of same-type layers): "
+            "pass checkpoint_modules=[...] to fit()"
+        )
 
     def set(self, on: bool) -> None:
         if on == self.enabled:

@@ -30,10 +30,18 @@ class FitResult:
 
     def summary(self) -> dict[str, Any]:
         """The record the metrics file's end line and the socket carry."""
-        return {"steps": self.steps, "epochs": self.epochs, "samples": self.samples,
-                "micro_batch": self.micro_batch, "loss": finite(self.loss), "stopped": self.stopped,
-                "amp": self.amp, "checkpointing": self.checkpointing,
-                "ooms_recovered": self.ooms_recovered, "elapsed_s": round(self.elapsed_s, 3)}
+        return {
+            "steps": self.steps,
+            "epochs": self.epochs,
+            "samples": self.samples,
+            "micro_batch": self.micro_batch,
+            "loss": finite(self.loss),
+            "stopped": self.stopped,
+            "amp": self.amp,
+            "checkpointing": self.checkpointing,
+            "ooms_recovered": self.ooms_recovered,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
 
 
 class FitError(RuntimeError):

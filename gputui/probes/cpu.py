@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any, ContextManager, Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -64,8 +66,9 @@ class StateTracker:
     The counters change only on the training thread; readers take a snapshot of ints.
     """
 
-    def __init__(self, model: torch.nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 budget: int | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, budget: int | None
+    ) -> None:
         """`model`: the module, or its parameters (a script's own loop shows only its optimizer's)."""
         self.budget = budget
         self.optimizer = optimizer
@@ -90,9 +93,11 @@ class StateTracker:
         # Only a budget needs to see each gradient appear (to raise inside backward where it is
         # crossed); without one, counting them once after backward gives the same peak without a
         # Python call per parameter per step (about 4 us each).
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(on_grad) for p in self._params if p.requires_grad
-        ] if budget is not None else []
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(on_grad) for p in self._params if p.requires_grad]
+            if budget is not None
+            else []
+        )
         self.sync_grads()
         self.optimizer_bytes = tensor_bytes(state_tensors(optimizer))
         self._optimizer_entries = len(optimizer.state)
@@ -153,7 +158,7 @@ class StateTracker:
         self.grads = sum(g.numel() * g.element_size() for g in grads)  # not .nbytes: sparse has none
         self._has_grad = {id(p) for p in self._params if p.grad is not None} if self._hooks else set()
 
-    def saving(self) -> ContextManager[Any]:
+    def saving(self) -> AbstractContextManager[Any]:
         """Around forward: counts each tensor autograd saves for backward (if this step counts)."""
         if not self.counting:
             return _NOT_COUNTING
@@ -192,14 +197,17 @@ class StateTracker:
         now = time.monotonic()
         shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted
-        self.counting = (self.budget is not None or shape is None or shape != last_shape
-                         or now - last_start >= RECOUNT_S)
+        self.counting = self.budget is not None or shape is None or shape != last_shape or now - last_start >= RECOUNT_S
         self._shape, self._started = (shape, now) if self.counting else (None, 0.0)
         self.peak = self.total if self.counting else max(self.total, last_peak)
 
     def breakdown(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer_bytes,
-                "activations": self.activations}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations,
+        }
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -245,8 +253,14 @@ class CpuProbe:
 
     def read(self) -> Memory:
         t = self.tracker
-        return Memory(device="cpu", allocated=t.total, peak=t.peak, capacity=t.budget,
-                      rss=host.rss(max_age=host.RSS_MAX_AGE), **t.breakdown())
+        return Memory(
+            device="cpu",
+            allocated=t.total,
+            peak=t.peak,
+            capacity=t.budget,
+            rss=host.rss(max_age=host.RSS_MAX_AGE),
+            **t.breakdown(),
+        )
 
     def free_cache(self) -> dict[str, Any]:
         before, after = host.release_free_memory()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -22,8 +23,9 @@ FREE_MAX_AGE = 1.0
 """Seconds a device-free reading (cudaMemGetInfo, a driver call) may be reused for."""
 
 
-def memory_from_stats(stats: Mapping[str, int], *, device: str, capacity: int | None,
-                      device_free: int | None, rss: int | None) -> Memory:
+def memory_from_stats(
+    stats: Mapping[str, int], *, device: str, capacity: int | None, device_free: int | None, rss: int | None
+) -> Memory:
     """A Memory reading from a `memory_stats()` dict (a recorded one in tests)."""
     return Memory(
         device=device,
@@ -48,8 +50,9 @@ class CudaProbe:
     GPU would, and the panels take the limit as the capacity.
     """
 
-    def __init__(self, device: torch.device, tracker: Any = None, *, limit: int | None = None,
-                 nvml: Any = None) -> None:
+    def __init__(
+        self, device: torch.device, tracker: Any = None, *, limit: int | None = None, nvml: Any = None
+    ) -> None:
         self.device = device
         self.tracker = tracker
         self.nvml = nvml  # an NvmlView, or None
@@ -77,9 +80,12 @@ class CudaProbe:
 
     def read(self) -> Memory:
         memory = memory_from_stats(
-            torch.cuda.memory_stats(self.device), device=str(self.device),
-            capacity=self.limit or self.total, device_free=self._device_free(),
-            rss=host.rss(max_age=host.RSS_MAX_AGE))
+            torch.cuda.memory_stats(self.device),
+            device=str(self.device),
+            capacity=self.limit or self.total,
+            device_free=self._device_free(),
+            rss=host.rss(max_age=host.RSS_MAX_AGE),
+        )
         extra: dict[str, Any] = {}
         if self.tracker is not None:
             extra.update(self.tracker.breakdown())

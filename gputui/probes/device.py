@@ -19,17 +19,22 @@ class Probe(Protocol):
     def free_cache(self) -> dict[str, Any]: ...
 
 
-def for_device(device: torch.device, tracker: StateTracker | None, *, limit: int | None = None,
-               nvml: Any = None) -> Probe:
+def for_device(
+    device: torch.device, tracker: StateTracker | None, *, limit: int | None = None, nvml: Any = None
+) -> Probe:
     """`limit` (CUDA only) makes the device act smaller; `nvml` adds NVML's view (an NvmlView)."""
     if limit is not None and device.type != "cuda":
-        raise ValueError(f"gpu_memory_limit needs a CUDA device, not {device.type}: "
-                         "on a CPU use memory_budget to act as if memory were short")
+        raise ValueError(
+            f"gpu_memory_limit needs a CUDA device, not {device.type}: "
+            "on a CPU use memory_budget to act as if memory were short"
+        )
     if device.type == "cuda":
         from .cuda import CudaProbe
+
         return CudaProbe(device, tracker, limit=limit, nvml=nvml)
     if device.type == "mps":
         from .mps import MpsProbe
+
         return MpsProbe(device, tracker)
     if tracker is None:
         raise ValueError("a CPU device is read through a StateTracker")

@@ -46,8 +46,9 @@ def read_host() -> HostReading:
         memory = _process.memory_info()
         cpu = _process.cpu_percent(None)  # since the previous call; the first call says 0.0
     system = psutil.virtual_memory()
-    return HostReading(rss=memory.rss, cpu_percent=cpu, system_used=system.total - system.available,
-                       system_total=system.total)
+    return HostReading(
+        rss=memory.rss, cpu_percent=cpu, system_used=system.total - system.available, system_total=system.total
+    )
 
 
 def _load_malloc_trim():

@@ -15,7 +15,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -35,12 +36,16 @@ _initialized: weakref.WeakSet = weakref.WeakSet()
 """The NVML modules nvmlInit succeeded on: once per process, not once per reading."""
 
 _INIT_FAILURES = (
-    ("NVMLError_LibraryNotFound",
-     "no NVIDIA driver found: libnvidia-ml.so.1 is missing (nvidia-smi would fail too; a container needs --gpus)"),
+    (
+        "NVMLError_LibraryNotFound",
+        "no NVIDIA driver found: libnvidia-ml.so.1 is missing (nvidia-smi would fail too; a container needs --gpus)",
+    ),
     ("NVMLError_DriverNotLoaded", "no NVIDIA driver is loaded (nvidia-smi would fail too)"),
     ("NVMLError_NoPermission", "no permission to query the NVIDIA driver (check access to /dev/nvidia*)"),
-    ("NVMLError_LibRmVersionMismatch",
-     "the NVIDIA driver and its NVML library do not match (reboot after a driver update)"),
+    (
+        "NVMLError_LibRmVersionMismatch",
+        "the NVIDIA driver and its NVML library do not match (reboot after a driver update)",
+    ),
 )
 
 
@@ -135,8 +140,7 @@ def _read_device(nvml: Any, index: int, users: dict[int, tuple[str | None, str |
         return GpuDevice(index=index, error=f"NVML could not read this GPU: {_describe(exc)}")
 
 
-def _read_processes(nvml: Any, handle: Any, users: dict[int, tuple[str | None, str | None]]
-                    ) -> tuple[GpuProcess, ...]:
+def _read_processes(nvml: Any, handle: Any, users: dict[int, tuple[str | None, str | None]]) -> tuple[GpuProcess, ...]:
     """Compute, then graphics processes; a process in both lists is listed once, as compute."""
     found: dict[int, GpuProcess] = {}
     for kind in ("compute", "graphics"):
@@ -147,8 +151,13 @@ def _read_processes(nvml: Any, handle: Any, users: dict[int, tuple[str | None, s
             if pid not in users:
                 users[pid] = _host_process(pid)
             memory = info.usedGpuMemory
-            found[pid] = GpuProcess(pid=pid, kind=kind, user=users[pid][0], command=users[pid][1],
-                                    gpu_memory=None if memory is None or memory >= _NOT_AVAILABLE else int(memory))
+            found[pid] = GpuProcess(
+                pid=pid,
+                kind=kind,
+                user=users[pid][0],
+                command=users[pid][1],
+                gpu_memory=None if memory is None or memory >= _NOT_AVAILABLE else int(memory),
+            )
     return tuple(found.values())
 
 
@@ -179,7 +188,7 @@ def _short(argv: list[str]) -> str:
     if not argv:
         return ""
     line = " ".join([os.path.basename(argv[0]), *argv[1:]])
-    return line if len(line) <= COMMAND_WIDTH else line[:COMMAND_WIDTH - 3] + "..."
+    return line if len(line) <= COMMAND_WIDTH else line[: COMMAND_WIDTH - 3] + "..."
 
 
 def process_gpu_memory(reading: GpuReading | None, pid: int, nvml_index: int | None) -> int | None:
@@ -220,8 +229,10 @@ def cuda_to_nvml_index(cuda_index: int, nvml: Any = None, *, cuda_uuid: str | No
         uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
         if cuda_uuid is not None:
             return _by_uuid(nvml, cuda_uuid, uuids)
-        ordinals = (os.environ.get("CUDA_DEVICE_ORDER", "").strip().upper() == "PCI_BUS_ID"
-                    or len({_field(nvml, nvml.nvmlDeviceGetName, h) for h in handles}) <= 1)
+        ordinals = (
+            os.environ.get("CUDA_DEVICE_ORDER", "").strip().upper() == "PCI_BUS_ID"
+            or len({_field(nvml, nvml.nvmlDeviceGetName, h) for h in handles}) <= 1
+        )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         entries = [str(i) for i in range(len(uuids))] if visible is None else visible.split(",")
         if cuda_index >= len(entries):

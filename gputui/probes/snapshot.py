@@ -18,8 +18,10 @@ MAX_ENTRIES = 100_000
 def unavailable(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
-    return ("memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
-            "which shows what holds memory")
+    return (
+        "memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
+        "which shows what holds memory"
+    )
 
 
 def recording() -> bool:
@@ -37,8 +39,9 @@ def start_history() -> None:
 def dump(folder: str, device: torch.device, *, step: int, reason: str) -> dict[str, Any]:
     """Write the snapshot and the summary under `folder`; returns the paths for the event."""
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.join(os.path.abspath(folder),
-                        f"snapshot-{os.getpid()}-step{step}-{reason}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stem = os.path.join(
+        os.path.abspath(folder), f"snapshot-{os.getpid()}-step{step}-{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     pickle_path, text_path = stem + ".pickle", stem + ".txt"
     torch.cuda.memory._dump_snapshot(pickle_path + ".tmp")
     os.replace(pickle_path + ".tmp", pickle_path)

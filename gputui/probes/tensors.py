@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -22,8 +23,14 @@ _CHUNK = 20_000
 """Objects checked between two looks at the clock."""
 
 
-def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[torch.Tensor] = (),
-                grads: Iterable[torch.Tensor] = (), optimizer_state: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
+def top_tensors(
+    *,
+    limit: int = 20,
+    time_budget: float = 0.5,
+    params: Iterable[torch.Tensor] = (),
+    grads: Iterable[torch.Tensor] = (),
+    optimizer_state: Iterable[torch.Tensor] = (),
+) -> dict[str, Any]:
     start = time.monotonic()
     groups: dict[tuple[Any, ...], list[int]] = {}
     storages: set[int] = set()
@@ -33,7 +40,7 @@ def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[t
         try:
             ptr, size = storage_key(t)
             key = (tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), role)
-        except Exception:  # noqa: BLE001 - fake or lazy tensors: not ours to judge
+        except Exception:
             return
         group = groups.setdefault(key, [0, 0])
         group[0] += 1
@@ -52,8 +59,10 @@ def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[t
             count(t, "other")
     rows = sorted(groups.items(), key=lambda kv: kv[1][1], reverse=True)
     return {
-        "rows": [{"shape": list(k[0]), "dtype": k[1], "device": k[2], "role": k[3], "count": c, "bytes": b}
-                 for k, (c, b) in rows[:limit]],
+        "rows": [
+            {"shape": list(k[0]), "dtype": k[1], "device": k[2], "role": k[3], "count": c, "bytes": b}
+            for k, (c, b) in rows[:limit]
+        ],
         "groups": len(rows),
         "tensors": sum(c for _, (c, _) in rows),
         "total_bytes": sum(b for _, (_, b) in rows),
@@ -65,8 +74,11 @@ def top_tensors(*, limit: int = 20, time_budget: float = 0.5, params: Iterable[t
 
 def top_training_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """top_tensors() with the training state named: the parameters, their gradients, the optimizer's state."""
-    return top_tensors(params=params, grads=[p.grad for p in params if p.grad is not None],
-                       optimizer_state=state_tensors(optimizer) if optimizer is not None else [])
+    return top_tensors(
+        params=params,
+        grads=[p.grad for p in params if p.grad is not None],
+        optimizer_state=state_tensors(optimizer) if optimizer is not None else [],
+    )
 
 
 def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
@@ -78,10 +90,10 @@ def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
         for begin in range(0, len(objects), _CHUNK):
             if time.monotonic() > deadline:
                 return found, begin, False
-            chunk = objects[begin:begin + _CHUNK]
+            chunk = objects[begin : begin + _CHUNK]
             try:
                 found += [o for o in chunk if isinstance(o, torch.Tensor)]
-            except Exception:  # noqa: BLE001 - an object whose __class__ raises: check one by one
+            except Exception:
                 found += [o for o in chunk if _is_tensor(o)]
     return found, len(objects), True
 
@@ -89,5 +101,5 @@ def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
 def _is_tensor(obj: object) -> bool:
     try:
         return isinstance(obj, torch.Tensor)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False

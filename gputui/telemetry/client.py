@@ -66,8 +66,9 @@ class Connection:
             except BlockingIOError:  # EAGAIN: the backlog is full; the job accepts them as it can
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"the job did not accept the connection within {wait:g} s "
-                                       "(its backlog is full)") from None
+                    raise TimeoutError(
+                        f"the job did not accept the connection within {wait:g} s (its backlog is full)"
+                    ) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.1)
 
@@ -102,7 +103,7 @@ class Connection:
             self.sock.settimeout(left if self._timeout is None else min(left, self._timeout))
             try:
                 record = self.read()
-            except socket.timeout:
+            except TimeoutError:
                 break
             if record is None:
                 raise ConnectionError("the job closed the connection before saying who it is")
@@ -162,28 +163,115 @@ class Welcome:
 # a field not named here passes as it is). The TUI formats these fields; a wrong type would
 # raise there, far from the socket.
 _NUMBER = (int, float)
-_INFO = {"argv": list, "pid": int, "started": _NUMBER, "device": str, "device_name": str, "model": str,
-         "params": int, "trainable": int, "optimizer": str, "epochs": _NUMBER, "max_steps": int,
-         "steps_per_epoch": int, "total_steps": int, "micro_batch": int, "amp": str, "checkpointing": bool,
-         "checkpointing_unavailable": str, "checkpointing_how": str, "auto_recover": bool,
-         "memory_budget": _NUMBER, "mode": str, "needs_fit": str, "batch_norm": int, "min_micro_batch": int}
-_SUMMARY = {"steps": int, "epochs": _NUMBER, "samples": int, "micro_batch": int, "loss": _NUMBER, "stopped": str,
-            "amp": str, "checkpointing": bool, "ooms_recovered": int, "elapsed_s": _NUMBER, "error": str}
-_MEMORY = {"device": str, **{name: _NUMBER for name in (
-    "allocated", "reserved", "fragmented", "peak", "capacity", "rss", "params", "grads", "optimizer", "activations",
-    "alloc_retries", "ooms", "active", "device_free", "nvml_used", "nvml_device_used", "cached_free", "nvml_gap")}}
+_INFO = {
+    "argv": list,
+    "pid": int,
+    "started": _NUMBER,
+    "device": str,
+    "device_name": str,
+    "model": str,
+    "params": int,
+    "trainable": int,
+    "optimizer": str,
+    "epochs": _NUMBER,
+    "max_steps": int,
+    "steps_per_epoch": int,
+    "total_steps": int,
+    "micro_batch": int,
+    "amp": str,
+    "checkpointing": bool,
+    "checkpointing_unavailable": str,
+    "checkpointing_how": str,
+    "auto_recover": bool,
+    "memory_budget": _NUMBER,
+    "mode": str,
+    "needs_fit": str,
+    "batch_norm": int,
+    "min_micro_batch": int,
+}
+_SUMMARY = {
+    "steps": int,
+    "epochs": _NUMBER,
+    "samples": int,
+    "micro_batch": int,
+    "loss": _NUMBER,
+    "stopped": str,
+    "amp": str,
+    "checkpointing": bool,
+    "ooms_recovered": int,
+    "elapsed_s": _NUMBER,
+    "error": str,
+}
+_MEMORY = {
+    "device": str,
+    **{
+        name: _NUMBER
+        for name in (
+            "allocated",
+            "reserved",
+            "fragmented",
+            "peak",
+            "capacity",
+            "rss",
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "alloc_retries",
+            "ooms",
+            "active",
+            "device_free",
+            "nvml_used",
+            "nvml_device_used",
+            "cached_free",
+            "nvml_gap",
+        )
+    },
+}
 _HOST = dict.fromkeys(("rss", "cpu_percent", "system_used", "system_total"), _NUMBER)
-_STEP = {"t": _NUMBER, "step": int, "epoch": int, "loss": _NUMBER, "batch_size": int, "micro_batch": int,
-         "accumulation": int, "amp": str, "checkpointing": bool, "device": str, "samples_per_s": _NUMBER,
-         "samples": int, "steps_per_s": _NUMBER, "loss_source": str, "memory": dict, "host": dict,
-         **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), _NUMBER)}
-_DEVICE = {"index": int, "uuid": str, "name": str, "utilization": _NUMBER, "memory_used": _NUMBER,
-           "memory_total": _NUMBER, "temperature": _NUMBER, "power": _NUMBER, "power_limit": _NUMBER,
-           "processes": list, "error": str}
+_STEP = {
+    "t": _NUMBER,
+    "step": int,
+    "epoch": int,
+    "loss": _NUMBER,
+    "batch_size": int,
+    "micro_batch": int,
+    "accumulation": int,
+    "amp": str,
+    "checkpointing": bool,
+    "device": str,
+    "samples_per_s": _NUMBER,
+    "samples": int,
+    "steps_per_s": _NUMBER,
+    "loss_source": str,
+    "memory": dict,
+    "host": dict,
+    **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), _NUMBER),
+}
+_DEVICE = {
+    "index": int,
+    "uuid": str,
+    "name": str,
+    "utilization": _NUMBER,
+    "memory_used": _NUMBER,
+    "memory_total": _NUMBER,
+    "temperature": _NUMBER,
+    "power": _NUMBER,
+    "power_limit": _NUMBER,
+    "processes": list,
+    "error": str,
+}
 _PROCESS = {"pid": int, "gpu_memory": _NUMBER, "kind": str, "user": str, "command": str}
 _KINDS: dict[str, dict[str, Any]] = {
-    "hello": {"pid": int, "argv": list, "server_started": _NUMBER, "runs": int, "info": dict, "summary": dict,
-              "controllable": bool},
+    "hello": {
+        "pid": int,
+        "argv": list,
+        "server_started": _NUMBER,
+        "runs": int,
+        "info": dict,
+        "summary": dict,
+        "controllable": bool,
+    },
     "start": {"runs": int, "info": dict},
     "end": {"summary": dict},
     "step": _STEP,
@@ -222,8 +310,9 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
     elif kind == "history":
         for name, series in (record.get("series") or {}).items():
             _fields(series, {"steps": list, "values": list, "stride": int}, f"the history of {name}")
-            if not all(isinstance(x, int) for x in series.get("steps") or ()) or \
-                    not all(x is None or isinstance(x, _NUMBER) for x in series.get("values") or ()):
+            if not all(isinstance(x, int) for x in series.get("steps") or ()) or not all(
+                x is None or isinstance(x, _NUMBER) for x in series.get("values") or ()
+            ):
                 raise ProtocolError(f"the history of {name} holds a non-number")
     elif kind == "gpus":
         for device in record.get("devices") or ():
@@ -374,7 +463,7 @@ def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[s
         conn.settimeout(left)
         try:
             record = conn.read()
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return None
         if record is None:
             return None

@@ -51,8 +51,11 @@ class Control:
 
     def answer(self) -> dict[str, Any]:
         """What every event answering this request carries: which request, from where, how long it waited."""
-        return {"request_id": self.id, "source": self.source,
-                "latency_s": round(max(0.0, time.time() - self.requested_at), 6)}
+        return {
+            "request_id": self.id,
+            "source": self.source,
+            "latency_s": round(max(0.0, time.time() - self.requested_at), 6),
+        }
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..units import format_bytes
 from .sample import Event
 
 _ACTIONS = {
-    "halve_batch": "halve micro-batch", "double_batch": "double micro-batch", "set_amp": "AMP",
-    "set_checkpointing": "checkpointing", "set_auto_recover": "auto-recover", "free_cache": "free cache",
-    "snapshot": "snapshot", "top_tensors": "top tensors", "memory_summary": "memory summary", "pause": "pause", "resume": "resume", "stop": "stop",
+    "halve_batch": "halve micro-batch",
+    "double_batch": "double micro-batch",
+    "set_amp": "AMP",
+    "set_checkpointing": "checkpointing",
+    "set_auto_recover": "auto-recover",
+    "free_cache": "free cache",
+    "snapshot": "snapshot",
+    "top_tensors": "top tensors",
+    "memory_summary": "memory summary",
+    "pause": "pause",
+    "resume": "resume",
+    "stop": "stop",
 }
 
 BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
@@ -23,27 +33,35 @@ def _on(flag: Any) -> str:
 
 def _cache(e: Event) -> str:
     if "reserved_before" in e.details:
-        return (f"cache freed: {format_bytes(e['bytes'])} returned "
-                f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e['reserved_after'])})")
-    return (f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e['rss_after'])} "
-            "(CPU: gc + malloc_trim; there is no allocator cache)")
+        return (
+            f"cache freed: {format_bytes(e['bytes'])} returned "
+            f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e['reserved_after'])})"
+        )
+    return (
+        f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e['rss_after'])} "
+        "(CPU: gc + malloc_trim; there is no allocator cache)"
+    )
 
 
 def _top(e: Event) -> str:
     rows = e.get("rows") or []
     head = ", ".join(f"{r['count']} x {tuple(r['shape'])} {r['dtype']} {format_bytes(r['bytes'])}" for r in rows[:3])
     partial = "" if e.get("complete", True) else " (scan cut short)"
-    return f"top tensors: {format_bytes(e.get('total_bytes'))} in {e.get('tensors')} tensors{partial}" + \
-        (f"; largest {head}" if head else "")
+    return f"top tensors: {format_bytes(e.get('total_bytes'))} in {e.get('tensors')} tensors{partial}" + (
+        f"; largest {head}" if head else ""
+    )
 
 
 _TEXT: dict[str, Callable[[Event], str]] = {
-    "oom_recovered": lambda e: (f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
-                                f"retried with {e['micro_batch_to']} x {e['accumulation']}"),
-    "oom": lambda e: (f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
-                      + ("paused, waiting for a remedy" if e.get("waiting") else "not recoverable")),
-    "micro_batch_changed": lambda e: (f"micro-batch {e['from']} -> {e['to']} "
-                                      f"(accumulation {e['accumulation']})"),
+    "oom_recovered": lambda e: (
+        f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
+        f"retried with {e['micro_batch_to']} x {e['accumulation']}"
+    ),
+    "oom": lambda e: (
+        f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
+        + ("paused, waiting for a remedy" if e.get("waiting") else "not recoverable")
+    ),
+    "micro_batch_changed": lambda e: f"micro-batch {e['from']} -> {e['to']} (accumulation {e['accumulation']})",
     "amp_changed": lambda e: f"AMP {e['from']} -> {e['to']}",
     "checkpointing_changed": lambda e: f"checkpointing {_on(e['enabled'])} ({e['how']})",
     "auto_recover_changed": lambda e: f"auto-recover {_on(e['enabled'])}",
@@ -56,12 +74,16 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "batch_norm_micro_batched": lambda e: (
         f"BatchNorm now normalizes over micro-batches of {e['micro_batch']} samples, not the global batch of "
         f"{e['batch_size']}: its statistics (and running averages, updated once per micro-batch) differ from "
-        "full-batch training (GroupNorm or LayerNorm would not)"),
-    "thrashing": lambda e: (f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
-                            f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"),
-    "snapshot_saved": lambda e: (f"memory snapshot{' at the OOM' if e.get('reason') == 'oom' else ''}: {e['path']} "
-                                 "(open in pytorch.org/memory_viz)"
-                                 + ("" if e.get("history") else "; no history yet, recording from now on")),
+        "full-batch training (GroupNorm or LayerNorm would not)"
+    ),
+    "thrashing": lambda e: (
+        f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
+        f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"
+    ),
+    "snapshot_saved": lambda e: (
+        f"memory snapshot{' at the OOM' if e.get('reason') == 'oom' else ''}: {e['path']} "
+        "(open in pytorch.org/memory_viz)" + ("" if e.get("history") else "; no history yet, recording from now on")
+    ),
     "top_tensors": _top,
     "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",
     "error": lambda e: f"error: {e['message']}",
@@ -80,9 +102,17 @@ def diagnosis_text(d: Mapping[str, Any]) -> str:
     """An OOM diagnosis (engine/observe.py) as text: what `gputui run` prints, what the TUI shows."""
     lines = [f"gputui: out of memory in {d['phase']} at {d['where']}", f"  {d['message']}"]
     m = d.get("memory") or {}
-    figures = [f"{name} {format_bytes(m.get(key))}" for name, key in (
-        ("allocated", "allocated"), ("reserved", "reserved"), ("fragmented", "fragmented"), ("step peak", "peak"),
-        ("capacity", "capacity")) if m.get(key) is not None]
+    figures = [
+        f"{name} {format_bytes(m.get(key))}"
+        for name, key in (
+            ("allocated", "allocated"),
+            ("reserved", "reserved"),
+            ("fragmented", "fragmented"),
+            ("step peak", "peak"),
+            ("capacity", "capacity"),
+        )
+        if m.get(key) is not None
+    ]
     if figures:
         lines.append("  memory then: " + ", ".join(figures))
     if d.get("top"):

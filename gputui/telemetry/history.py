@@ -8,8 +8,9 @@ averaged away) and each point then stands for twice as many steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from statistics import fmean
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .sample import StepSample
 
@@ -45,7 +46,7 @@ class History:
     def _halve(self) -> None:
         pairs = range(0, len(self.values) - 1, 2)
         self.steps = [self.steps[i + 1] for i in pairs]
-        self.values = [self.reduce(self.values[i:i + 2]) for i in pairs]
+        self.values = [self.reduce(self.values[i : i + 2]) for i in pairs]
         self.stride *= 2
 
     def __len__(self) -> int:

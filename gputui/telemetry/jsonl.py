@@ -41,8 +41,12 @@ class MetricsFile:
                     os.ftruncate(self._file.fileno(), self._file.tell() - written)
                 except OSError:  # a pipe or a device: nothing to cut
                     pass
-            raise SinkFailed(f"metrics file {self.path}: {exc.strerror or exc}; no more lines will be written",
-                             sink="metrics", path=self.path, error=exc.strerror or str(exc)) from None
+            raise SinkFailed(
+                f"metrics file {self.path}: {exc.strerror or exc}; no more lines will be written",
+                sink="metrics",
+                path=self.path,
+                error=exc.strerror or str(exc),
+            ) from None
 
     def on_start(self, info: dict[str, Any]) -> None:
         self._line({"v": VERSION, "kind": "start", "t": round(time.time(), 6), **info})

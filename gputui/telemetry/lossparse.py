@@ -13,7 +13,7 @@ over many batches, not the step's. A progress bar is still read: Lightning's sho
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 _NUMBER = r"([-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 _LOSS = re.compile(r"""(?<![\w.])((?:[a-z]+[_/ ])?)loss['"]?\s*(?:[:=]\s*|\s+)['"]?""" + _NUMBER, re.IGNORECASE)

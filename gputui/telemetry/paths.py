@@ -41,11 +41,15 @@ def check_private(path: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafeDirectory(f"{path} is not a folder: not trusted; remove it")
     if info.st_uid != os.getuid():
-        raise UnsafeDirectory(f"{path} belongs to another user (uid {info.st_uid}): not trusted; remove it "
-                              "or set XDG_RUNTIME_DIR to a private folder")
+        raise UnsafeDirectory(
+            f"{path} belongs to another user (uid {info.st_uid}): not trusted; remove it "
+            "or set XDG_RUNTIME_DIR to a private folder"
+        )
     if info.st_mode & 0o077:
-        raise UnsafeDirectory(f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): not trusted; "
-                              "chmod 700 it or remove it")
+        raise UnsafeDirectory(
+            f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): not trusted; "
+            "chmod 700 it or remove it"
+        )
 
 
 def private_dir() -> str:
@@ -144,5 +148,6 @@ def check_peer(sock: socket.socket) -> None:
     """ForeignPeer if the process at the other end runs as another user (where the OS tells)."""
     cred = peer_uid(sock)
     if cred is not None and cred[1] != os.getuid():
-        raise ForeignPeer(f"the process at the other end (pid {cred[0]}) runs as another user (uid {cred[1]}): "
-                          "not trusted")
+        raise ForeignPeer(
+            f"the process at the other end (pid {cred[0]}) runs as another user (uid {cred[1]}): not trusted"
+        )

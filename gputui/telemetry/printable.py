@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 
-_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, erase line
-                      r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
-                      r"|\x1b[@-Z\\-_]"                        # other two-byte escapes
-                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"          # every other control but tab and newline
-                      "|[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")  # bidi overrides: text shown reversed
+_ESCAPES = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, erase line
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
+    r"|\x1b[@-Z\\-_]"  # other two-byte escapes
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"  # every other control but tab and newline
+    "|[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)  # bidi overrides: text shown reversed
 
 
 def printable(text: str) -> str:

@@ -73,8 +73,9 @@ class ProgressLine:
             self.stream.flush()
         except (OSError, ValueError) as exc:  # a closed pipe must not stop training: the hub drops us, says so once
             error = getattr(exc, "strerror", None) or str(exc)
-            raise SinkFailed(f"progress line: {error}; no more progress will be written",
-                             sink="progress", error=error) from None
+            raise SinkFailed(
+                f"progress line: {error}; no more progress will be written", sink="progress", error=error
+            ) from None
 
     def _clear(self) -> None:
         if self._drawn:
@@ -106,7 +107,8 @@ class ProgressLine:
         budget = f", budget {format_bytes(info['memory_budget'])}" if info.get("memory_budget") else ""
         self._write(
             f"gputui: training {info['model']} ({_count(info['params'])} params) on {info['device_name']}"
-            f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n")
+            f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n"
+        )
 
     def on_sample(self, sample: StepSample) -> None:
         if self.quiet:
@@ -132,6 +134,8 @@ class ProgressLine:
         loss = "n/a" if summary.get("loss") is None else f"{summary['loss']:.4g}"
         recovered = f", {summary['ooms_recovered']} OOM(s) recovered" if summary.get("ooms_recovered") else ""
         how = "stopped" if summary.get("stopped") else "failed" if summary.get("error") else "done"
-        self._write(f"gputui: {how}: {summary['steps']} steps, {summary['samples']} samples in "
-                    f"{summary['elapsed_s']:.1f}s; last loss {loss}; micro-batch {summary['micro_batch']}"
-                    f"{recovered}\n")
+        self._write(
+            f"gputui: {how}: {summary['steps']} steps, {summary['samples']} samples in "
+            f"{summary['elapsed_s']:.1f}s; last loss {loss}; micro-batch {summary['micro_batch']}"
+            f"{recovered}\n"
+        )

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 VERSION = 1
 """Version of the wire and metrics-file records; bumped on any incompatible change."""
@@ -74,8 +75,11 @@ class Memory:
         return max(0, self.reserved - self.allocated)
 
     def to_json(self) -> dict[str, Any]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)},
-                "cached_free": self.cached_free, "nvml_gap": self.nvml_gap}
+        return {
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "cached_free": self.cached_free,
+            "nvml_gap": self.nvml_gap,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Memory:
@@ -140,13 +144,23 @@ class GpuReading:
     status: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": VERSION, "kind": "gpus", "t": round(self.t, 6), "driver": self.driver,
-                "status": self.status, "devices": [d.to_json() for d in self.devices]}
+        return {
+            "v": VERSION,
+            "kind": "gpus",
+            "t": round(self.t, 6),
+            "driver": self.driver,
+            "status": self.status,
+            "devices": [d.to_json() for d in self.devices],
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GpuReading:
-        return cls(t=float(data["t"]), driver=data.get("driver"), status=data.get("status"),
-                   devices=tuple(GpuDevice.from_json(d) for d in data.get("devices") or ()))
+        return cls(
+            t=float(data["t"]),
+            driver=data.get("driver"),
+            status=data.get("status"),
+            devices=tuple(GpuDevice.from_json(d) for d in data.get("devices") or ()),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +250,14 @@ class Event:
     t: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": VERSION, "kind": "event", "t": round(self.t, 6), "step": self.step,
-                "name": self.name, **self.details}
+        return {
+            "v": VERSION,
+            "kind": "event",
+            "t": round(self.t, 6),
+            "step": self.step,
+            "name": self.name,
+            **self.details,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Event:
@@ -251,5 +271,15 @@ class Event:
         return self.details.get(key, default)
 
 
-_STEP_FIELDS = ("t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp", "checkpointing",
-                "samples_per_s")
+_STEP_FIELDS = (
+    "t",
+    "step",
+    "epoch",
+    "loss",
+    "batch_size",
+    "micro_batch",
+    "accumulation",
+    "amp",
+    "checkpointing",
+    "samples_per_s",
+)

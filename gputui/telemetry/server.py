@@ -56,6 +56,7 @@ TICK = 0.05
 RECENT_EVENTS = 200
 """Events a new client receives as the past."""
 
+
 @dataclass
 class _Peer:
     sock: socket.socket
@@ -159,7 +160,7 @@ class TelemetryServer:
         while not self._stop.is_set():
             try:
                 self._turn()
-            except Exception as exc:  # noqa: BLE001 - the server must never take training down
+            except Exception as exc:
                 sys.stderr.write(f"gputui: telemetry server error: {type(exc).__name__}: {exc}\n")
                 time.sleep(TICK)
         self._broadcast_queue()  # the last records (the end line) before closing
@@ -228,8 +229,16 @@ class TelemetryServer:
         """What a new client gets before the live records: who, the run so far, the recent past.
         Built once per change of the run, so a flood of connections costs no serializing."""
         if self._welcome is None:
-            hello = {"kind": "hello", "pid": os.getpid(), "argv": list(sys.argv), "server_started": self.started,
-                     "runs": self.hub.runs, "info": self._info, "summary": self._summary, "controllable": True}
+            hello = {
+                "kind": "hello",
+                "pid": os.getpid(),
+                "argv": list(sys.argv),
+                "server_started": self.started,
+                "runs": self.hub.runs,
+                "info": self._info,
+                "summary": self._summary,
+                "controllable": True,
+            }
             records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
             if self._last_step is not None:
                 records.append(clean(self._last_step.to_json()))
@@ -276,19 +285,28 @@ class TelemetryServer:
             return
         ident = message["id"]
         if not peer.control:
-            peer.outbox += encode({"kind": "error", "id": ident,
-                                   "reason": "watch-only connection: attach with --control to steer"})
+            peer.outbox += encode(
+                {"kind": "error", "id": ident, "reason": "watch-only connection: attach with --control to steer"}
+            )
             return
         if len(peer.waiting) >= MAX_CONTROLS_PER_CLIENT or len(self._waiting) >= MAX_CONTROLS:
             mine = len(peer.waiting) >= MAX_CONTROLS_PER_CLIENT
-            peer.outbox += encode({"kind": "error", "id": ident, "reason": (
-                f"{len(peer.waiting) if mine else len(self._waiting)} requests from "
-                f"{'this connection' if mine else 'attached clients'} are waiting for the job to apply them "
-                "(at its next step boundary): send this one when they are answered")})
+            peer.outbox += encode(
+                {
+                    "kind": "error",
+                    "id": ident,
+                    "reason": (
+                        f"{len(peer.waiting) if mine else len(self._waiting)} requests from "
+                        f"{'this connection' if mine else 'attached clients'} are waiting for the job to apply them "
+                        "(at its next step boundary): send this one when they are answered"
+                    ),
+                }
+            )
             return
         try:
-            control = self.hub.controls.request(message["action"], message["value"],
-                                                source=f"attach pid {peer.pid}" if peer.pid else "attach")
+            control = self.hub.controls.request(
+                message["action"], message["value"], source=f"attach pid {peer.pid}" if peer.pid else "attach"
+            )
         except ValueError as exc:
             peer.outbox += encode({"kind": "error", "id": ident, "reason": str(exc)})
             return

@@ -10,8 +10,9 @@ from __future__ import annotations
 import io
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from textual import events
 from textual.app import App, ComposeResult
@@ -23,8 +24,16 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from .model import KEYS, OutputLog, RunView, Source
-from .screens import (ConfirmQuit, FailureScreen, HelpScreen, LogScreen, MemoryScreen, OomScreen, Overlay,
-                      TopTensorsScreen)
+from .screens import (
+    ConfirmQuit,
+    FailureScreen,
+    HelpScreen,
+    LogScreen,
+    MemoryScreen,
+    OomScreen,
+    Overlay,
+    TopTensorsScreen,
+)
 from .widgets import GpuLine, HeaderBar, LogPanel, LossPanel, MemoryPanel, RemediesBar, Timeline
 
 Runner = Callable[[io.StringIO], int]
@@ -57,8 +66,9 @@ class Actions(Provider):
 class MainScreen(Screen[None]):
     """The panels, and the keys: bound here so screens above it do not list them in their footers."""
 
-    BINDINGS = [Binding(k.key, f"app.{k.action}", k.label, key_display="?" if k.key == "question_mark" else None)
-                for k in KEYS]
+    BINDINGS = [
+        Binding(k.key, f"app.{k.action}", k.label, key_display="?" if k.key == "question_mark" else None) for k in KEYS
+    ]
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -101,8 +111,16 @@ class GputuiApp(App[int]):
     COMMANDS = App.COMMANDS | {Actions}
     BINDINGS = [Binding("ctrl+c", "interrupt", "stop", show=False, priority=True)]
 
-    def __init__(self, source: Source, *, script: str, runner: Runner | None = None, refresh: float = 4.0,
-                 clock: Callable[[], float] = time.monotonic, output: OutputLog | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        *,
+        script: str,
+        runner: Runner | None = None,
+        refresh: float = 4.0,
+        clock: Callable[[], float] = time.monotonic,
+        output: OutputLog | None = None,
+    ) -> None:
         super().__init__()
         self.source = source
         self.view = RunView(clock=clock, script=script)
@@ -135,7 +153,7 @@ class GputuiApp(App[int]):
         report = io.StringIO()
         try:
             code = self.runner(report)  # type: ignore[misc]
-        except BaseException as exc:  # noqa: BLE001 - reported on screen, never lost
+        except BaseException as exc:
             code = 1
             report.write(f"gputui: {type(exc).__name__}: {exc}\n")
         self.script_code = code  # read directly if the app is gone (the terminal hung up)
@@ -166,8 +184,10 @@ class GputuiApp(App[int]):
         oom = self.view.waiting_oom
         if oom is not None and oom is not self._oom_shown:
             self._oom_shown = oom
-            why = {a: self.why_not(k) for a, k in (("halve_batch", "halve_batch"),
-                                                  ("set_checkpointing", "toggle_checkpointing"))}
+            why = {
+                a: self.why_not(k)
+                for a, k in (("halve_batch", "halve_batch"), ("set_checkpointing", "toggle_checkpointing"))
+            }
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
 
     def on_script_ended(self, message: ScriptEnded) -> None:
@@ -194,8 +214,13 @@ class GputuiApp(App[int]):
         rows = []
         for k in KEYS:
             reason = self.why_not(k.action)
-            rows.append((k, f"{k.label} ({'?' if k.key == 'question_mark' else k.key})",
-                         f"unavailable: {reason}" if reason else k.help))
+            rows.append(
+                (
+                    k,
+                    f"{k.label} ({'?' if k.key == 'question_mark' else k.key})",
+                    f"unavailable: {reason}" if reason else k.help,
+                )
+            )
         return rows
 
     async def act(self, action: str) -> None:
@@ -287,8 +312,10 @@ class GputuiApp(App[int]):
         # Sent even before the first step is seen (the script may still be importing torch): the
         # run stops at its first boundary instead of training on after the user quit.
         self.send("stop", text="stop")
-        self.notify("Stopping after the current step; the script then finishes (its save runs). "
-                    "q again quits at once.", timeout=10)
+        self.notify(
+            "Stopping after the current step; the script then finishes (its save runs). q again quits at once.",
+            timeout=10,
+        )
 
     def _leave(self) -> None:
         code = self.view.exit_code

@@ -6,9 +6,9 @@ and tests read its output without an app.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Callable, Sequence
 
 from rich.text import Text
 
@@ -28,12 +28,19 @@ def resample(values: Sequence[float], points: int, reduce: Callable[[Sequence[fl
     n = len(values)
     if n <= points:
         return list(values)
-    return [reduce(values[i * n // points:max(i * n // points + 1, (i + 1) * n // points)]) for i in range(points)]
+    return [reduce(values[i * n // points : max(i * n // points + 1, (i + 1) * n // points)]) for i in range(points)]
 
 
-def plot(series: Sequence[Series], width: int, height: int, *, low: float | None = None,
-         high: float | None = None, label: Callable[[float], str] = lambda v: f"{v:.3g}",
-         gutter: int = 8) -> list[Text]:
+def plot(
+    series: Sequence[Series],
+    width: int,
+    height: int,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    label: Callable[[float], str] = lambda v: f"{v:.3g}",
+    gutter: int = 8,
+) -> list[Text]:
     """`height` lines of `width` cells: a y-axis gutter with the top and bottom values, then the plot.
 
     Later series are drawn over earlier ones (a cell takes the style of the last series with a
@@ -73,9 +80,9 @@ def plot(series: Sequence[Series], width: int, height: int, *, low: float | None
             axis = label(low)
         else:
             axis = ""
-        line = Text(axis[:gutter - 1].rjust(gutter - 1) + " " if gutter else "", style="dim")
+        line = Text(axis[: gutter - 1].rjust(gutter - 1) + " " if gutter else "", style="dim")
         # One span per run of cells in one style, not one per cell: rendering cost grows with spans.
-        for style, run in groupby(zip(cells[y], styles[y]), key=lambda cell: cell[1]):
+        for style, run in groupby(zip(cells[y], styles[y], strict=True), key=lambda cell: cell[1]):
             line.append("".join(chr(0x2800 + bits) if bits else " " for bits, _ in run), style=style or "")
         lines.append(line)
     return lines

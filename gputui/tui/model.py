@@ -10,8 +10,9 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from ..telemetry.controls import AMP_MODES
 from ..telemetry.describe import BATCH_NORM_FLOOR, describe
@@ -31,25 +32,46 @@ class Key:
 
 
 KEYS = (
-    Key("b", "halve_batch", "halve", "Halve the micro-batch: accumulation doubles, the global batch, sampler "
-        "and LR schedule stay as they are."),
+    Key(
+        "b",
+        "halve_batch",
+        "halve",
+        "Halve the micro-batch: accumulation doubles, the global batch, sampler and LR schedule stay as they are.",
+    ),
     Key("B", "double_batch", "double", "Double the micro-batch (up to the global batch): faster, more memory."),
     Key("a", "cycle_amp", "AMP", "Cycle mixed precision: off -> bf16 -> fp16 (with a GradScaler) -> off."),
-    Key("c", "toggle_checkpointing", "ckpt", "Activation checkpointing on the model's repeated blocks: "
-        "recompute activations in backward instead of keeping them (less memory, ~30% more compute)."),
-    Key("f", "free_cache", "free", "gc.collect() + torch.cuda.empty_cache(): return cached blocks to the "
-        "device (helps other processes; adds no capacity to this one)."),
-    Key("o", "toggle_auto_recover", "auto", "Auto-recover: on OOM halve the micro-batch and retry the same "
-        "batch; off: pause and ask."),
+    Key(
+        "c",
+        "toggle_checkpointing",
+        "ckpt",
+        "Activation checkpointing on the model's repeated blocks: "
+        "recompute activations in backward instead of keeping them (less memory, ~30% more compute).",
+    ),
+    Key(
+        "f",
+        "free_cache",
+        "free",
+        "gc.collect() + torch.cuda.empty_cache(): return cached blocks to the "
+        "device (helps other processes; adds no capacity to this one).",
+    ),
+    Key(
+        "o",
+        "toggle_auto_recover",
+        "auto",
+        "Auto-recover: on OOM halve the micro-batch and retry the same batch; off: pause and ask.",
+    ),
     Key("p", "toggle_pause", "pause", "Pause after the current step / resume."),
-    Key("s", "snapshot", "snap", "CUDA memory snapshot: a pickle for pytorch.org/memory_viz and "
-        "memory_summary() as text."),
+    Key(
+        "s",
+        "snapshot",
+        "snap",
+        "CUDA memory snapshot: a pickle for pytorch.org/memory_viz and memory_summary() as text.",
+    ),
     Key("t", "top_tensors", "tensors", "The live tensors grouped by shape, dtype and role, largest first."),
     Key("m", "memory", "memory", "Every memory reading, with what each one means.", control=False),
     Key("l", "log", "log", "The script's own output (stdout and stderr).", control=False),
     Key("question_mark", "help", "help", "This help.", control=False),
-    Key("q", "quit", "quit", "Quit: asks first while training, then stops after the current step.",
-        control=False),
+    Key("q", "quit", "quit", "Quit: asks first while training, then stops after the current step.", control=False),
 )
 
 
@@ -64,6 +86,7 @@ class Update:
     reset: bool = False  # start the view over (a remote job, just (re)connected)
     history: dict[str, tuple[list[int], list[float], int]] | None = None  # the run so far, for a reset
     banner: str | None = None  # the connection's state, when it is not simply live
+
 
 class Source(Protocol):
     watch_only: str | None
@@ -87,8 +110,14 @@ class LocalSource:
     def poll(self) -> Update:
         samples, events, self._cursor = self.hub.since(self._cursor)
         poller = self.hub.gpu_poller
-        return Update(samples, events, self.hub.info, self.hub.summary,
-                      poller.latest() if poller is not None else None, self.hub.runs)
+        return Update(
+            samples,
+            events,
+            self.hub.info,
+            self.hub.summary,
+            poller.latest() if poller is not None else None,
+            self.hub.runs,
+        )
 
     def request(self, action: str, value: Any = None) -> int | None:
         return self.hub.controls.request(action, value, source="tui").id
@@ -135,7 +164,7 @@ class OutputLog:
         """Lines after `position` (those still kept), and the position to pass next time."""
         with self._lock:
             new = min(self.total - position, len(self.lines))
-            return (list(self.lines)[len(self.lines) - new:] if new > 0 else []), self.total
+            return (list(self.lines)[len(self.lines) - new :] if new > 0 else []), self.total
 
     def tail(self, count: int) -> list[str]:
         """The last `count` lines as a terminal shows them, the one being written included."""
@@ -250,8 +279,14 @@ class RunView:
             self.cuda_summary = e.get("text")
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
-        kind = {"control_refused": "refused", "oom": "oom", "oom_recovered": "oom", "thrashing": "oom",
-                "error": "error", "loss_not_finite": "error"}.get(e.name, "applied" if request else "info")
+        kind = {
+            "control_refused": "refused",
+            "oom": "oom",
+            "oom_recovered": "oom",
+            "thrashing": "oom",
+            "error": "error",
+            "loss_not_finite": "error",
+        }.get(e.name, "applied" if request else "info")
         text = describe(e)
         if request is not None and e.name != "control_refused":
             text = f"✓ {text} · applied after step {e.step}, {e.get('latency_s', 0) * 1000:.0f} ms after the request"
@@ -263,8 +298,9 @@ class RunView:
             return
         self.pending[request_id] = text
         step = self.latest.step if self.latest else 0
-        self.timeline.appendleft(Entry(time.time(), step, f"→ requested: {text} · applies at the next step boundary",
-                                       "requested"))
+        self.timeline.appendleft(
+            Entry(time.time(), step, f"→ requested: {text} · applies at the next step boundary", "requested")
+        )
 
     def script_ended(self, code: int, failure: str | None) -> None:
         self.exit_code, self.failure = code, failure
@@ -328,8 +364,12 @@ class RunView:
             return "training has not started yet"
         if not self.training:
             return "training has ended"
-        if self.info.get("mode") == "observe" and action not in ("free_cache", "snapshot", "top_tensors",
-                                                                  "toggle_pause"):
+        if self.info.get("mode") == "observe" and action not in (
+            "free_cache",
+            "snapshot",
+            "top_tensors",
+            "toggle_pause",
+        ):
             return self.info.get("needs_fit") or "this needs gputui.fit"
         s = self.latest
         if action == "halve_batch" and s is not None and s.micro_batch <= 1:

@@ -24,8 +24,17 @@ class RemoteSource:
             self._generation, self._cursor = m.generation, (0, 0)
         hub = m.hub
         samples, events, self._cursor = hub.since(self._cursor)
-        return Update(samples, events, hub.info, hub.summary, hub.gpu_poller.latest(), hub.runs,
-                      reset=reset, history=m.history if reset else None, banner=m.status)
+        return Update(
+            samples,
+            events,
+            hub.info,
+            hub.summary,
+            hub.gpu_poller.latest(),
+            hub.runs,
+            reset=reset,
+            history=m.history if reset else None,
+            banner=m.status,
+        )
 
     def request(self, action: str, value: Any = None) -> int | None:
         return self.mirror.request(action, value)

@@ -61,8 +61,11 @@ def _leave_when_done(app: GputuiApp, signum: int) -> None:
         app.exit(app.script_code if app.script_code is not None else 128 + signum)
         return
     app.view.stopping = True
-    app.notify(f"{STOPS[signum]}: finishing the current step; the script then finishes (its save runs) and "
-               "gputui exits. Again to stop at once.", timeout=30)
+    app.notify(
+        f"{STOPS[signum]}: finishing the current step; the script then finishes (its save runs) and "
+        "gputui exits. Again to stop at once.",
+        timeout=30,
+    )
 
     def wait() -> None:
         thread.join()
@@ -101,9 +104,13 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     hung_up: list[bool] = []
     raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
     with guarded_terminal(output.write) as terminal:  # what C code writes joins the script's log
-        app = GputuiApp(LocalSource(hub), script=os.path.basename(script),
-                        runner=lambda err: run_script(script, args, err=err, observe=hub), refresh=refresh,
-                        output=output)
+        app = GputuiApp(
+            LocalSource(hub),
+            script=os.path.basename(script),
+            runner=lambda err: run_script(script, args, err=err, observe=hub),
+            refresh=refresh,
+            output=output,
+        )
         _install_signals(app, hub, terminal, hung_up, raised)
         app.run()
     thread = app.training_thread
@@ -122,8 +129,10 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
         thread.join(UNWIND_S)
     if app.return_code:  # the app itself failed: its report went to the captured output
         lines = output.tail(60)
-        sys.stderr.write("\n".join(lines) + "\ngputui: error: the TUI stopped on an internal error (above); "
-                         "`gputui run --headless` runs without it\n")
+        sys.stderr.write(
+            "\n".join(lines) + "\ngputui: error: the TUI stopped on an internal error (above); "
+            "`gputui run --headless` runs without it\n"
+        )
     code = app.return_value if app.return_value is not None else 1
     lines = output.tail(SCRIPT_TAIL)
     if lines and not app.return_code:  # what the script said last (its save, its summary) stays visible

@@ -42,8 +42,9 @@ class HelpScreen(Overlay):
         keys.add_row("ctrl+p", "Command palette: every action above, searchable.")
         panels = Text.from_markup(
             "[b]Memory[/b]: the bar is the device's capacity (CUDA: total or --gpu-memory-limit; CPU: the "
-            "budget, else the machine's memory). [blue]allocated[/] = live tensors; [cyan]reserved[/] = held by PyTorch's caching "
-            "allocator (allocated + cached free); [yellow]fragmented[/] = freed pieces of segments still in "
+            "budget, else the machine's memory). [blue]allocated[/] = live tensors; "
+            "[cyan]reserved[/] = held by PyTorch's caching allocator (allocated + cached free); "
+            "[yellow]fragmented[/] = freed pieces of segments still in "
             "use, which empty_cache cannot return; [magenta]other[/] = what NVML sees beyond reserved: the CUDA "
             "context, cuBLAS/cuDNN/NCCL workspaces, other processes. ┃ marks this step's peak; a red ┃ and a "
             "warning mean the peak is within 10% of the capacity. retries = the allocator freed its cache to "
@@ -51,20 +52,35 @@ class HelpScreen(Overlay):
             "[b]Remedies[/b] apply at the next step boundary, never inside an accumulation window; the timeline "
             "shows each request and when it was applied.\n\n"
             "[b]OOM[/b]: with auto-recover on, the step is replayed with half the micro-batch (same batch, same "
-            "RNG, counters untouched); off, a dialog asks what to do.")
-        yield VerticalScroll(Static(Group(Text("Keys", style="bold underline"), keys, Text(""),
-                                          Text("What the panels mean", style="bold underline"), panels),
-                                    id="help-text"))
+            "RNG, counters untouched); off, a dialog asks what to do."
+        )
+        yield VerticalScroll(
+            Static(
+                Group(
+                    Text("Keys", style="bold underline"),
+                    keys,
+                    Text(""),
+                    Text("What the panels mean", style="bold underline"),
+                    panels,
+                ),
+                id="help-text",
+            )
+        )
         yield Footer()
 
 
 class OomScreen(ModalScreen[str | None]):
     """Auto-recover is off and a step ran out of memory: the user picks the remedy."""
 
-    BINDINGS = [Binding("b", "pick('halve_batch')", "halve"), Binding("a", "pick('set_amp')", "AMP bf16"),
-                Binding("c", "pick('set_checkpointing')", "ckpt"), Binding("f", "pick('free_cache')", "free"),
-                Binding("r", "pick('resume')", "retry"), Binding("x", "pick('stop')", "stop"),
-                Binding("escape", "pick('')", "later")]
+    BINDINGS = [
+        Binding("b", "pick('halve_batch')", "halve"),
+        Binding("a", "pick('set_amp')", "AMP bf16"),
+        Binding("c", "pick('set_checkpointing')", "ckpt"),
+        Binding("f", "pick('free_cache')", "free"),
+        Binding("r", "pick('resume')", "retry"),
+        Binding("x", "pick('stop')", "stop"),
+        Binding("escape", "pick('')", "later"),
+    ]
 
     def __init__(self, view: RunView, why_not: dict[str, str | None]) -> None:
         super().__init__()
@@ -76,26 +92,48 @@ class OomScreen(ModalScreen[str | None]):
         m = self.view_state.latest.memory if self.view_state.latest else None
         details = Text()
         if e is not None:
-            details.append(f"Out of memory in {e['phase']} of step {e.step + 1} at micro-batch {e['micro_batch']}.\n",
-                           style="bold red")
+            details.append(
+                f"Out of memory in {e['phase']} of step {e.step + 1} at micro-batch {e['micro_batch']}.\n",
+                style="bold red",
+            )
             details.append(f"{e['message']}\n", style="dim")
         if m is not None:
-            figures = [f"{name} {format_bytes(value)}" for name, value in (
-                ("allocated", m.allocated), ("reserved", m.reserved), ("fragmented", m.fragmented),
-                ("step peak", m.peak), ("capacity", m.capacity)) if value is not None]
+            figures = [
+                f"{name} {format_bytes(value)}"
+                for name, value in (
+                    ("allocated", m.allocated),
+                    ("reserved", m.reserved),
+                    ("fragmented", m.fragmented),
+                    ("step peak", m.peak),
+                    ("capacity", m.capacity),
+                )
+                if value is not None
+            ]
             details.append(f"Memory after the last good step: {', '.join(figures)}.\n")
-        details.append("Training waits here: pick a remedy and the same batch is retried with it "
-                       "(escape decides later; the keys on the main screen still work).", style="dim")
+        details.append(
+            "Training waits here: pick a remedy and the same batch is retried with it "
+            "(escape decides later; the keys on the main screen still work).",
+            style="dim",
+        )
         with Vertical(id="oom-dialog"):
             yield Label("Training paused: out of memory (auto-recover is off)", id="oom-title")
             yield Static(details, id="oom-details")
             with Horizontal(id="oom-buttons"):
-                for action, label in (("halve_batch", "[b] halve batch"), ("set_amp", "[a] AMP bf16"),
-                                      ("set_checkpointing", "[c] checkpointing"), ("free_cache", "[f] free cache"),
-                                      ("resume", "[r] retry as is"), ("stop", "[x] stop")):
-                    yield Button(Text(label), id=action, variant="error" if action == "stop" else "primary",
-                                 disabled=bool(self.why_not.get(action)),
-                                 tooltip=self.why_not.get(action))
+                for action, label in (
+                    ("halve_batch", "[b] halve batch"),
+                    ("set_amp", "[a] AMP bf16"),
+                    ("set_checkpointing", "[c] checkpointing"),
+                    ("free_cache", "[f] free cache"),
+                    ("resume", "[r] retry as is"),
+                    ("stop", "[x] stop"),
+                ):
+                    yield Button(
+                        Text(label),
+                        id=action,
+                        variant="error" if action == "stop" else "primary",
+                        disabled=bool(self.why_not.get(action)),
+                        tooltip=self.why_not.get(action),
+                    )
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id)
@@ -140,13 +178,20 @@ class TopTensorsScreen(Overlay):
         table = self.query_one("#top-table", DataTable)
         table.clear()
         for r in e["rows"]:
-            table.add_row(Text(format_bytes(r["bytes"]), justify="right"), str(r["count"]),
-                          "×".join(map(str, r["shape"])) or "scalar", r["dtype"], r["device"], r["role"])
+            table.add_row(
+                Text(format_bytes(r["bytes"]), justify="right"),
+                str(r["count"]),
+                "×".join(map(str, r["shape"])) or "scalar",
+                r["dtype"],
+                r["device"],
+                r["role"],
+            )
         note = "" if e.get("complete", True) else " (scan cut short at its time budget: a partial view)"
         self.query_one("#top-status", Static).update(
             f"{format_bytes(e['total_bytes'])} in {e['tensors']} tensors ({e['groups']} groups) at step "
             f"{e.step}, scanned in {e['elapsed_s'] * 1000:.0f} ms{note}. Views share storage: counted once. "
-            "r rescans.")
+            "r rescans."
+        )
 
 
 class MemoryScreen(Overlay):
@@ -174,8 +219,13 @@ def memory_report(v: RunView) -> Group:
     table.add_column(justify="right", no_wrap=True)
     table.add_column(style="dim")
     rows = [
-        ("allocated", m.allocated, "live tensors" if m.reserved is not None else
-         "tracked training state: parameters + gradients + optimizer state + saved activations"),
+        (
+            "allocated",
+            m.allocated,
+            "live tensors"
+            if m.reserved is not None
+            else "tracked training state: parameters + gradients + optimizer state + saved activations",
+        ),
         ("reserved", m.reserved, "segments PyTorch's caching allocator holds (allocated + cached free)"),
         ("cached free", m.cached_free, "reserved but holding no tensor: reused before asking the device"),
         ("fragmented", m.fragmented, "inactive split blocks: free pieces of segments still partly in use"),
@@ -195,14 +245,18 @@ def memory_report(v: RunView) -> Group:
     for name, value, meaning in rows:
         if value is not None:
             table.add_row(name, format_bytes(value), meaning)
-    table.add_row("alloc retries", str(m.alloc_retries if m.alloc_retries is not None else "n/a"),
-                  "the allocator freed its cache to satisfy a request: slow, a warning sign")
+    table.add_row(
+        "alloc retries",
+        str(m.alloc_retries if m.alloc_retries is not None else "n/a"),
+        "the allocator freed its cache to satisfy a request: slow, a warning sign",
+    )
     table.add_row("OOMs", str(v.ooms), "seen in this run (recovered or not)")
     if s.host is not None:
         h = s.host
         table.add_row("system memory", f"{format_bytes(h.system_used)} / {format_bytes(h.system_total)}", "host")
-        table.add_row("CPU", f"{h.cpu_percent:.0f} %" if h.cpu_percent is not None else "n/a",
-                      "this process, 100% = one core")
+        table.add_row(
+            "CPU", f"{h.cpu_percent:.0f} %" if h.cpu_percent is not None else "n/a", "this process, 100% = one core"
+        )
     parts = [Text(f"Memory at step {s.step} on {m.device}", style="bold underline"), table]
     if v.cuda_summary:
         parts += [Text(""), Text("torch.cuda.memory_summary()", style="bold underline"), Text(v.cuda_summary)]
@@ -243,13 +297,18 @@ class LogScreen(Overlay):
 
 
 class ConfirmQuit(ModalScreen[bool]):
-    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no"),
-                Binding("q", "answer(True)", "yes", show=False)]
+    BINDINGS = [
+        Binding("y", "answer(True)", "yes"),
+        Binding("n,escape", "answer(False)", "no"),
+        Binding("q", "answer(True)", "yes", show=False),
+    ]
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm"):
-            yield Label("Training is running. Stop after the current step and quit?\n"
-                        "(the script's code after fit() still runs: your save happens)")
+            yield Label(
+                "Training is running. Stop after the current step and quit?\n"
+                "(the script's code after fit() still runs: your save happens)"
+            )
             with Horizontal(id="confirm-buttons"):
                 yield Button(Text("[y] stop and quit"), id="yes", variant="error")
                 yield Button(Text("[n] keep training"), id="no", variant="primary")
@@ -264,13 +323,19 @@ class ConfirmQuit(ModalScreen[bool]):
 class FailureScreen(Overlay):
     """The script failed: its traceback and what to do, over the figures it reached."""
 
-    BINDINGS = [Binding("escape", "dismiss", "figures"), Binding("l", "app.log", "output"),
-                Binding("q", "app.quit", "quit")]  # as its text says (the main screen's keys are not bound here)
+    BINDINGS = [
+        Binding("escape", "dismiss", "figures"),
+        Binding("l", "app.log", "output"),
+        Binding("q", "app.quit", "quit"),
+    ]  # as its text says (the main screen's keys are not bound here)
 
     def compose(self) -> ComposeResult:
         v = self.view
         head = Text(f"{v.script} failed (exit code {v.exit_code}).", style="bold red")
-        advice = Text("The figures it reached stay on the main screen (escape). Fix the script and run it again; "
-                      "l shows its output, q quits with its exit code.", style="dim")
+        advice = Text(
+            "The figures it reached stay on the main screen (escape). Fix the script and run it again; "
+            "l shows its output, q quits with its exit code.",
+            style="dim",
+        )
         yield VerticalScroll(Static(Group(head, Text(""), Text(v.failure or ""), advice), id="failure-text"))
         yield Footer()

@@ -22,7 +22,7 @@ import select
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 def _report_lost() -> None:
@@ -91,14 +91,14 @@ def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
     originals = sys.__stdin__, sys.__stdout__, sys.__stderr__
     # Textual reads these when the app is built and when its driver starts: the real terminal.
     tty_in, tty_out, tty_err = terminal.fds
-    sys.__stdin__ = open(tty_in, "r", closefd=False)  # type: ignore[misc]
+    sys.__stdin__ = open(tty_in, closefd=False)  # type: ignore[misc]
     sys.__stdout__, sys.__stderr__ = (  # type: ignore[misc]
-        _Screen(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=stream.encoding,
-                errors=stream.errors)
-        for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2])))
+        _Screen(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=stream.encoding, errors=stream.errors)
+        for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2]))
+    )
 
     def pump() -> None:
-        with open(read_end, "r", encoding="utf-8", errors="replace", closefd=True) as pipe:
+        with open(read_end, encoding="utf-8", errors="replace", closefd=True) as pipe:
             for line in pipe:
                 sink(line)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -154,9 +155,12 @@ class WatchApp(App[int]):
         padding: 1 2;
     }
     """
-    BINDINGS = [Binding("q", "quit", "quit"), Binding("ctrl+c", "quit", "quit", show=False, priority=True),
-                Binding("s", "cycle_sort", "sort"),
-                Binding("question_mark", "help", "help", key_display="?")]
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
+        Binding("s", "cycle_sort", "sort"),
+        Binding("question_mark", "help", "help", key_display="?"),
+    ]
 
     def __init__(self, poller: Poller, refresh: float = 1.0, *, host: str | None = None) -> None:
         super().__init__()
@@ -204,8 +208,9 @@ class WatchApp(App[int]):
         status = reading.status if reading is not None else None
         with self.batch_update():
             self.query_one("#header", Static).update(self._header())
-            self.query_one("#status", Static).update(Text.assemble(
-                ("NVML unavailable\n\n", "bold"), (status or "", "bold red"), ("\n\nq quits", "dim")))
+            self.query_one("#status", Static).update(
+                Text.assemble(("NVML unavailable\n\n", "bold"), (status or "", "bold red"), ("\n\nq quits", "dim"))
+            )
             self.query_one("#status").display = status is not None
             devices = self.query_one(DeviceList)
             devices.display = status is None
@@ -228,9 +233,15 @@ class WatchApp(App[int]):
         kept = table.coordinate_to_cell_key(table.cursor_coordinate).row_key if table.row_count else None
         table.clear()
         for gpu, p in rows:
-            table.add_row(str(gpu), Text(str(p.pid), justify="right"), p.user or "n/a",
-                          Text(format_bytes(p.gpu_memory), justify="right"), p.kind, p.command or "n/a",
-                          key=f"{gpu}:{p.pid}")
+            table.add_row(
+                str(gpu),
+                Text(str(p.pid), justify="right"),
+                p.user or "n/a",
+                Text(format_bytes(p.gpu_memory), justify="right"),
+                p.kind,
+                p.command or "n/a",
+                key=f"{gpu}:{p.pid}",
+            )
         if kept in table.rows:
             table.move_cursor(row=table.get_row_index(kept))
         table.border_title = f"processes ({len(rows)}) · sorted by {self.sort}"

@@ -68,12 +68,22 @@ class HeaderBar(Panel):
         info = v.info or {}
         s = v.latest
         status = v.status
-        status_style = {"training": "bold green", "failed": "bold red", "OOM: waiting": "bold red",
-                        "paused": "bold yellow", "stopping": "bold yellow"}.get(status, "bold")
+        status_style = {
+            "training": "bold green",
+            "failed": "bold red",
+            "OOM: waiting": "bold red",
+            "paused": "bold yellow",
+            "stopping": "bold yellow",
+        }.get(status, "bold")
         device = (info.get("device_name") or "…").removeprefix("NVIDIA ")
         # (priority: lower survives longer, text, style), in display order
-        parts: list[tuple[int, str, str]] = [(0, " gputui ", "bold reverse"), (0, f" {v.name} ", "bold"),
-                                             (5, f"│ {device} ", ""), (0, "│ ", ""), (0, status, status_style)]
+        parts: list[tuple[int, str, str]] = [
+            (0, " gputui ", "bold reverse"),
+            (0, f" {v.name} ", "bold"),
+            (5, f"│ {device} ", ""),
+            (0, "│ ", ""),
+            (0, status, status_style),
+        ]
         if s is not None:
             total, epochs = info.get("total_steps"), info.get("epochs")
             parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
@@ -133,8 +143,7 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
         parts = [(state, ALLOCATED), (max(0, host.rss - state), CACHED), (max(0, host.system_used - host.rss), OTHER)]
     elif m.reserved is not None:  # a caching allocator: CUDA, MPS
         fragmented = min(m.fragmented or 0, m.cached_free or 0)
-        parts = [(m.allocated or 0, ALLOCATED), (fragmented, FRAGMENTED),
-                 ((m.cached_free or 0) - fragmented, CACHED)]
+        parts = [(m.allocated or 0, ALLOCATED), (fragmented, FRAGMENTED), ((m.cached_free or 0) - fragmented, CACHED)]
         used = m.reserved
         if m.nvml_device_used is not None and m.nvml_device_used > used:
             parts.append((m.nvml_device_used - used, OTHER))
@@ -175,7 +184,8 @@ def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = 
             if m.nvml_gap is not None:
                 nvml.append("■", style=OTHER).append(
                     f" NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch"
-                    + (" (CUDA context, libraries)" if long else ""))
+                    + (" (CUDA context, libraries)" if long else "")
+                )
             else:
                 nvml.append("■", style=OTHER).append(f" NVML device used {size(m.nvml_device_used)} (all processes)")
             lines.append(nvml)
@@ -192,8 +202,9 @@ def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = 
     else:  # the bar is the machine's memory
         first.append("■", style=ALLOCATED).append(f" {'training state' if long else 'state'} {size(m.allocated)}  ")
         first.append("■", style=CACHED).append(f" {'process' if long else 'proc'} {size(host.rss)}  ")
-        first.append("■", style=OTHER).append(f" {'other processes' if long else 'others'} "
-                                              f"{size((host.system_used or 0) - (host.rss or 0))}")
+        first.append("■", style=OTHER).append(
+            f" {'other processes' if long else 'others'} {size((host.system_used or 0) - (host.rss or 0))}"
+        )
         second.append(f" · system {size(host.system_used)} / {size(host.system_total)}")
     second.append(f" · OOMs {ooms}", style="bold red" if ooms else "")
     return [first, second]
@@ -237,7 +248,7 @@ class LossPanel(Panel):
         if rows >= 2:
             # The first steps' loss is often far above the rest: the top follows the later 90% of the
             # run, so the part being trained now is not squashed flat (earlier points touch the top).
-            high = max(raw[len(raw) // 10:]) if len(raw) >= 20 else None
+            high = max(raw[len(raw) // 10 :]) if len(raw) >= 20 else None
             lines.extend(plot([Series(raw, "dim"), Series(smoothed, "bold green")], width, rows, high=high))
             lines.append(axis(v.series.loss.steps, width))
         return Group(*lines)
@@ -265,8 +276,9 @@ class RemediesBar(Panel):
             return text
         key("b/B", "halve_batch")
         if s is not None:
-            text.append(f"{'micro-batch' if wide else 'mb'} {s.micro_batch} × {s.accumulation} = {s.batch_size}",
-                        style="bold")
+            text.append(
+                f"{'micro-batch' if wide else 'mb'} {s.micro_batch} × {s.accumulation} = {s.batch_size}", style="bold"
+            )
         else:
             text.append("micro-batch –")
         gap = "   " if wide else "  "
@@ -285,8 +297,14 @@ class RemediesBar(Panel):
 
 
 class Timeline(Panel):
-    STYLES = {"requested": "dim italic", "applied": "green", "refused": "yellow", "oom": "bold red",
-              "error": "bold red", "info": ""}
+    STYLES = {
+        "requested": "dim italic",
+        "applied": "green",
+        "refused": "yellow",
+        "oom": "bold red",
+        "error": "bold red",
+        "info": "",
+    }
 
     def render(self) -> RenderableType:
         v = self.view

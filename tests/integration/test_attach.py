@@ -48,8 +48,9 @@ def script(tmp_path):
 
 
 def gputui(env, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def socket_of(env, pid, timeout=60):
@@ -77,9 +78,23 @@ def wait_steps(env, pid, n, timeout=60):
 @pytest.fixture
 def job(env, script, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "gputui", "run", "--headless", "--metrics", str(metrics),
-                             str(script), str(tmp_path / "out.pt")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gputui",
+            "run",
+            "--headless",
+            "--metrics",
+            str(metrics),
+            str(script),
+            str(tmp_path / "out.pt"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     socket_of(env, proc.pid)
     wait_steps(env, proc.pid, 2)
     yield proc
@@ -90,8 +105,9 @@ def job(env, script, tmp_path):
 
 def test_jobs_attach_json_and_ctl(env, job, tmp_path):
     listed = json.loads(gputui(env, "jobs", "--json").stdout)
-    assert [(j["pid"], j["script"], j["device"], j["state"]) for j in listed] == [(job.pid, "train.py", "cpu",
-                                                                                   "training")]
+    assert [(j["pid"], j["script"], j["device"], j["state"]) for j in listed] == [
+        (job.pid, "train.py", "cpu", "training")
+    ]
     text = gputui(env, "jobs").stdout.splitlines()
     assert text[0].split()[:3] == ["PID", "SCRIPT", "DEVICE"] and str(job.pid) in text[1]
 
@@ -109,7 +125,10 @@ def test_jobs_attach_json_and_ctl(env, job, tmp_path):
     assert job.wait(timeout=30) == 0
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     changes = [x for x in lines if x.get("name") == "micro_batch_changed"]
-    assert [(c["from"], c["to"], c["source"].startswith("attach pid")) for c in changes] == [(16, 8, True), (8, 4, True)]
+    assert [(c["from"], c["to"], c["source"].startswith("attach pid")) for c in changes] == [
+        (16, 8, True),
+        (8, 4, True),
+    ]
     assert lines[-1]["kind"] == "end" and lines[-1]["stopped"] == "requested"
     assert not os.path.exists(os.path.join(env["XDG_RUNTIME_DIR"], "gputui", f"{job.pid}.sock"))
 
@@ -117,8 +136,14 @@ def test_jobs_attach_json_and_ctl(env, job, tmp_path):
 def test_hostile_clients_cannot_stop_or_slow_the_job(env, job):
     path = socket_of(env, job.pid)
     clients = []
-    for payload in (b"garbage\n" * 50, b'{"v": 1, "kind": "control", "id": 1, "action": "stop"}\n',
-                    b'{"v": 1, "kind": "hel', b"A" * 20_000, b"\xff" * 100 + b"\n", b"[" * 2000 + b"\n"):
+    for payload in (
+        b"garbage\n" * 50,
+        b'{"v": 1, "kind": "control", "id": 1, "action": "stop"}\n',
+        b'{"v": 1, "kind": "hel',
+        b"A" * 20_000,
+        b"\xff" * 100 + b"\n",
+        b"[" * 2000 + b"\n",
+    ):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         s.sendall(payload)
@@ -160,8 +185,13 @@ def test_sigkill_leaves_a_stale_socket_that_jobs_cleans(env, job):
 
 
 def test_plain_python_scripts_are_attachable_too(env, script, tmp_path):
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out.pt")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "out.pt")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         socket_of(env, proc.pid)
         wait_steps(env, proc.pid, 1)
@@ -183,8 +213,11 @@ def test_the_tui_survives_its_terminal_closing(env, script, tmp_path):
     out = tmp_path / "out.pt"
     pid, master = pty.fork()
     if pid == 0:  # the child: gputui run in a pseudo-terminal, as over SSH
-        os.execve(sys.executable, [sys.executable, "-m", "gputui", "run", str(script), str(out)],
-                  {**env, "TERM": "xterm-256color"})
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "gputui", "run", str(script), str(out)],
+            {**env, "TERM": "xterm-256color"},
+        )
     try:
         socket_of(env, pid)
         wait_steps(env, pid, 3)
@@ -200,6 +233,7 @@ def test_the_tui_survives_its_terminal_closing(env, script, tmp_path):
             time.sleep(0.1)
         assert os.waitstatus_to_exitcode(status[1]) == 0
         import torch
+
         assert torch.load(out)["stopped"] == "requested"
     finally:
         try:

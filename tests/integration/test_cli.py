@@ -34,8 +34,9 @@ print("saved", result.steps, result.stopped)
 
 
 def gputui(*args, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
 
 
 def script(tmp_path, text, name="train.py"):
@@ -45,22 +46,29 @@ def script(tmp_path, text, name="train.py"):
 
 
 def test_script_sees_its_args_and_its_exit_code_comes_back(tmp_path):
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         import os, sys
         print("argv", sys.argv[1:], os.path.basename(sys.argv[0]), __name__)
         sys.exit(3)
-    """)
+    """,
+    )
     done = gputui("run", "--headless", path, "--lr", "0.1", "-x", "pos", cwd=tmp_path)
     assert done.returncode == 3
     assert done.stdout.strip() == "argv ['--lr', '0.1', '-x', 'pos'] train.py __main__"
 
 
 def test_a_script_that_raises_gets_its_traceback_without_ours(tmp_path):
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         def helper():
             return 1 / 0
         helper()
-    """, "bad.py")
+    """,
+        "bad.py",
+    )
     done = gputui("run", "--headless", path)
     assert done.returncode == 1
     assert done.stderr.splitlines()[-1] == "gputui: bad.py failed: ZeroDivisionError: division by zero"
@@ -68,11 +76,14 @@ def test_a_script_that_raises_gets_its_traceback_without_ours(tmp_path):
     assert "runpy" not in done.stderr and "launch.py" not in done.stderr
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["run", "--headless", "missing.py"], 2, "gputui: error: no such script: missing.py"),
-    (["run", "--headless", "--memory-budget", "lots", "x.py"], 2, "not a size: 'lots'"),
-    (["run", "--headless", "."], 2, "gputui: error: . is a directory, not a Python script"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["run", "--headless", "missing.py"], 2, "gputui: error: no such script: missing.py"),
+        (["run", "--headless", "--memory-budget", "lots", "x.py"], 2, "not a size: 'lots'"),
+        (["run", "--headless", "."], 2, "gputui: error: . is a directory, not a Python script"),
+    ],
+)
 def test_bad_command_lines(tmp_path, args, code, message):
     done = gputui(*args, cwd=tmp_path)
     assert done.returncode == code and message in done.stderr
@@ -109,15 +120,20 @@ def test_fit_error_is_one_line_and_fails(tmp_path):
     done = gputui("run", "--headless", "--memory-budget", "1KiB", path, tmp_path / "out.pt")
     assert done.returncode == 1 and done.stderr.strip() == (
         "gputui: error: the memory budget (1.00 KiB) is smaller than the model's parameters and optimizer "
-        "state (4.76 KiB): no batch can fit")
+        "state (4.76 KiB): no batch can fit"
+    )
 
 
 @pytest.mark.parametrize("sig, reason", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
 def test_signal_finishes_the_step_and_the_script_saves(tmp_path, sig, reason):
     path = script(tmp_path, TRAIN.format(batches=10_000, delay=0.02, extra=""))
     out = tmp_path / "out.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "gputui", "run", "--headless", str(path), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputui", "run", "--headless", str(path), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()  # the header: training has started
     assert line.startswith("gputui: training"), line
     time.sleep(0.5)
@@ -127,6 +143,7 @@ def test_signal_finishes_the_step_and_the_script_saves(tmp_path, sig, reason):
     assert f"{reason}: finishing the current step" in stderr
     assert f"stopped ({reason})" in stdout
     import torch  # only to read the file the script wrote
+
     saved = torch.load(out)
     assert saved["stopped"] == reason and saved["steps"] > 0
 
@@ -134,8 +151,20 @@ def test_signal_finishes_the_step_and_the_script_saves(tmp_path, sig, reason):
 @pytest.mark.parametrize("demo, extra", [("mlp.py", []), ("gpt.py", ["--batch", "4"])])
 def test_demos_run_headless(tmp_path, demo, extra):
     metrics = tmp_path / "m.jsonl"
-    done = gputui("run", "--headless", "--metrics", metrics, ROOT / "demos" / demo, "--size", "tiny",
-                  "--steps", "6", *extra, "--save", tmp_path / "model.pt")
+    done = gputui(
+        "run",
+        "--headless",
+        "--metrics",
+        metrics,
+        ROOT / "demos" / demo,
+        "--size",
+        "tiny",
+        "--steps",
+        "6",
+        *extra,
+        "--save",
+        tmp_path / "model.pt",
+    )
     assert done.returncode == 0, done.stderr
     assert "gputui: done: 6 steps" in done.stdout and (tmp_path / "model.pt").exists()
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if '"kind":"step"' in x]
@@ -143,8 +172,12 @@ def test_demos_run_headless(tmp_path, demo, extra):
 
 
 def test_plain_python_trains_with_a_progress_line(tmp_path):
-    done = subprocess.run([sys.executable, ROOT / "demos" / "mlp.py", "--size", "tiny", "--steps", "3"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, ROOT / "demos" / "mlp.py", "--size", "tiny", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith("gputui: training MLP")
     assert "gputui: done: 3 steps" in done.stdout

@@ -14,11 +14,32 @@ import time
 import pytest
 
 NOBODY = 65534
-HELLO = {"v": 1, "kind": "hello", "pid": 1, "argv": ["fake.py"], "server_started": 0.0, "runs": 1,
-         "info": {"device": "cpu", "argv": ["fake.py"]}, "summary": None, "controllable": True}
-STEP = {"v": 1, "kind": "step", "t": 1.0, "step": 3, "epoch": 0, "loss": 0.5, "batch_size": 8, "micro_batch": 8,
-        "accumulation": 1, "amp": "off", "checkpointing": False, "samples_per_s": None,
-        "memory": {"device": "cpu", "allocated": 1}}
+HELLO = {
+    "v": 1,
+    "kind": "hello",
+    "pid": 1,
+    "argv": ["fake.py"],
+    "server_started": 0.0,
+    "runs": 1,
+    "info": {"device": "cpu", "argv": ["fake.py"]},
+    "summary": None,
+    "controllable": True,
+}
+STEP = {
+    "v": 1,
+    "kind": "step",
+    "t": 1.0,
+    "step": 3,
+    "epoch": 0,
+    "loss": 0.5,
+    "batch_size": 8,
+    "micro_batch": 8,
+    "accumulation": 1,
+    "amp": "off",
+    "checkpointing": False,
+    "samples_per_s": None,
+    "memory": {"device": "cpu", "allocated": 1},
+}
 
 
 def line(record):
@@ -98,8 +119,9 @@ def fake(request):
 
 
 def gputui(env, *args):
-    return subprocess.run([sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def assert_one_line_error(done, *words):
@@ -181,12 +203,15 @@ while True:
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0 or not hasattr(socket, "SO_PEERCRED"),
-                    reason="a server of another uid needs root (setuid) and SO_PEERCRED (Linux)")
+@pytest.mark.skipif(
+    os.getuid() != 0 or not hasattr(socket, "SO_PEERCRED"),
+    reason="a server of another uid needs root (setuid) and SO_PEERCRED (Linux)",
+)
 def test_a_server_running_as_another_user_is_refused(env, folder):
     os.mkdir(folder, 0o700)
-    peer = subprocess.Popen([sys.executable, "-c", PEER, folder, str(NOBODY), WELCOME.decode()],
-                            stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, folder, str(NOBODY), WELCOME.decode()], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert peer.stdout.readline().strip() == "ready"
         for args in (["attach", peer.pid, "--json"], ["ctl", peer.pid, "pause"], ["jobs"]):
@@ -218,17 +243,30 @@ MISBEHAVING = {
     "min_micro_batch is text": wrong(info={"min_micro_batch": "2"}),  # the TUI compares it to a micro-batch
     "summary error is a list": wrong(summary={"error": ["boom"]}),
     "server_started is text": wrong(server_started="yesterday"),
-    "history of strings": line(HELLO) + line({"v": 1, "kind": "history",
-                                              "series": {"loss": {"steps": ["a"], "values": [], "stride": 1}}}),
+    "history of strings": line(HELLO)
+    + line({"v": 1, "kind": "history", "series": {"loss": {"steps": ["a"], "values": [], "stride": 1}}}),
     # Numbers JSON allows and Python cannot format or convert: int(inf), float(10**400)
     "server_started is Infinity": wrong(server_started=float("inf")),
     "server_started is NaN": wrong(server_started=float("nan")),
-    "event time of 400 digits": line(HELLO) + line({"v": 1, "kind": "event", "t": 10**400, "step": 1,
-                                                    "name": "paused"}) + line({"v": 1, "kind": "live"}),
-    "freed bytes of 400 digits": line(HELLO) + line({"v": 1, "kind": "event", "t": 1.0, "step": 1,
-                                                     "name": "cache_freed", "bytes": 10**400, "reserved_before": 1,
-                                                     "reserved_after": 0}) + line({"v": 1, "kind": "live"}),
-    "allocated of 400 digits": line(HELLO) + line({**STEP, "memory": {"device": "cpu", "allocated": 10**400}})
+    "event time of 400 digits": line(HELLO)
+    + line({"v": 1, "kind": "event", "t": 10**400, "step": 1, "name": "paused"})
+    + line({"v": 1, "kind": "live"}),
+    "freed bytes of 400 digits": line(HELLO)
+    + line(
+        {
+            "v": 1,
+            "kind": "event",
+            "t": 1.0,
+            "step": 1,
+            "name": "cache_freed",
+            "bytes": 10**400,
+            "reserved_before": 1,
+            "reserved_after": 0,
+        }
+    )
+    + line({"v": 1, "kind": "live"}),
+    "allocated of 400 digits": line(HELLO)
+    + line({**STEP, "memory": {"device": "cpu", "allocated": 10**400}})
     + line({"v": 1, "kind": "live"}),
 }
 
@@ -244,8 +282,10 @@ def test_misbehaving_servers_get_one_line_and_exit_1(env, folder, fake, case):
 
 def test_a_job_cannot_print_rows_of_its_own_or_reverse_text(env, folder, fake):
     os.mkdir(folder, 0o700)
-    fake(os.path.join(folder, f"{os.getpid()}.sock"),
-         wrong(info={"argv": ["x.py\n  31337  fake.py  cpu  training"], "device": "cpu\u202egnp.exe"}))
+    fake(
+        os.path.join(folder, f"{os.getpid()}.sock"),
+        wrong(info={"argv": ["x.py\n  31337  fake.py  cpu  training"], "device": "cpu\u202egnp.exe"}),
+    )
     done = gputui(env, "jobs")
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 2 and "\u202e" not in done.stdout, done.stdout
@@ -265,8 +305,12 @@ def test_a_silent_server_times_out(env, folder, fake):
     fake(os.path.join(folder, f"{os.getpid()}.sock"), lambda conn: hold.wait(20))
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each waits out the same timeout: together
-            runs = list(pool.map(lambda args: gputui(env, *args),
-                                 (["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"], ["jobs"])))
+            runs = list(
+                pool.map(
+                    lambda args: gputui(env, *args),
+                    (["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"], ["jobs"]),
+                )
+            )
         for done in runs:
             assert_one_line_error(done, "did not say who it is")
     finally:
@@ -275,12 +319,17 @@ def test_a_silent_server_times_out(env, folder, fake):
 
 def test_escape_sequences_from_a_job_never_reach_the_terminal(env, folder, fake):
     os.mkdir(folder, 0o700)
-    hostile = {**HELLO, "argv": [f"evil{ESCAPES}.py"], "info": {"device": f"cpu{ESCAPES}", "argv": [f"x{ESCAPES}.py"],
-                                                                 f"key{ESCAPES}": ESCAPES}}
+    hostile = {
+        **HELLO,
+        "argv": [f"evil{ESCAPES}.py"],
+        "info": {"device": f"cpu{ESCAPES}", "argv": [f"x{ESCAPES}.py"], f"key{ESCAPES}": ESCAPES},
+    }
     step = {**STEP, "amp": ESCAPES, f"k{ESCAPES}": [ESCAPES, {ESCAPES: ESCAPES}]}
     refusal = {"v": 1, "kind": "error", "id": 1, "reason": f"no{ESCAPES}"}
-    fake(os.path.join(folder, f"{os.getpid()}.sock"),
-         line(hostile) + line(step) + line({"v": 1, "kind": "live"}) + line(refusal))
+    fake(
+        os.path.join(folder, f"{os.getpid()}.sock"),
+        line(hostile) + line(step) + line({"v": 1, "kind": "live"}) + line(refusal),
+    )
     for args in (["jobs"], ["jobs", "--json"], ["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"]):
         done = gputui(env, *args)
         assert "Traceback" not in done.stderr, done.stderr

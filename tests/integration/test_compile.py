@@ -78,7 +78,11 @@ def test_a_compiled_model_trains_through_fit_without_recompiles_or_warnings(tmp_
     assert "torch._dynamo" not in done.stderr and "recompil" not in done.stderr, done.stderr
     cases = json.loads((tmp_path / "cases.json").read_text())
     assert [(c["checkpointing"], c["budget"]) for c in cases] == [
-        (False, None), (False, "10KiB"), (True, None), (True, "10KiB")]
+        (False, None),
+        (False, "10KiB"),
+        (True, None),
+        (True, "10KiB"),
+    ]
     for case in cases:
         assert case["warnings"] == [] and case["steps"] == 3, case
         assert all(case["trained"]), case  # the same weights as uncompiled, and changed by training

@@ -36,8 +36,15 @@ def run(args, tmp_path, limit=None):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *args(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=120, preexec_fn=small_disk if limit else None)
+    return subprocess.run(
+        [sys.executable, *args(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        preexec_fn=small_disk if limit else None,
+    )
 
 
 def test_a_disk_that_fills_mid_line_leaves_only_whole_lines(tmp_path):

@@ -58,8 +58,17 @@ class Tui:
     def __init__(self, env, tmp_path, script, shell=None, args=()):
         self.metrics, self.out = tmp_path / "m.jsonl", tmp_path / "out.pt"
         self.sockets = os.path.join(env["XDG_RUNTIME_DIR"], "gputui")
-        argv = [sys.executable, "-m", "gputui", "run", "--metrics", str(self.metrics), str(script), str(self.out),
-                *map(str, args)]
+        argv = [
+            sys.executable,
+            "-m",
+            "gputui",
+            "run",
+            "--metrics",
+            str(self.metrics),
+            str(script),
+            str(self.out),
+            *map(str, args),
+        ]
         if shell is not None:
             argv = ["/bin/sh", "-c", shell + ' "$@"', "sh", *argv]
         self.pid, self.master = pty.fork()
@@ -187,8 +196,14 @@ def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tu
 def test_headless_keeps_stdin(tmp_path, env):
     path = tmp_path / "echo.py"
     path.write_text("import sys\nprint('got', sys.stdin.read())\n")
-    done = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", str(path)], input="hello",
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "gputui", "run", "--headless", str(path)],
+        input="hello",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 0 and "got hello" in done.stdout, done.stderr
 
 
@@ -205,8 +220,23 @@ def test_a_second_ctrl_c_during_shutdown_is_quiet_and_the_socket_goes(tmp_path, 
     """)
     path = write_script(tmp_path, steps=4, before=before)
     metrics = tmp_path / "m.jsonl"
-    done = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", "--metrics", str(metrics), str(path),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gputui",
+            "run",
+            "--headless",
+            "--metrics",
+            str(metrics),
+            str(path),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
     assert os.listdir(os.path.join(env["XDG_RUNTIME_DIR"], "gputui")) == []
     assert json.loads(metrics.read_text().splitlines()[-1])["kind"] == "end"
@@ -259,8 +289,12 @@ def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, sig):
     path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
     path.write_text(SLOW_SAVE)
     torch.save({"old": True}, out)
-    proc = subprocess.Popen([sys.executable, str(path), str(out), str(saving), str(go)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(path), str(out), str(saving), str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, _ = signal_mid_save(proc, sig, saving, go)
     assert proc.returncode != 0 and "after the save" not in stdout, "the signal still ends the script"
     assert_saved_whole(out)
@@ -310,10 +344,12 @@ def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, en
     path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
     path.write_text(SLOW_SAVE)
     argv = [sys.executable, "-m", "gputui", "run", "--headless", str(path), str(out), str(saving), str(go)]
-    ignoring = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                f"os.execv({sys.executable!r}, {argv!r})")
-    proc = subprocess.Popen([sys.executable, "-c", ignoring], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    ignoring = (
+        f"import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv({sys.executable!r}, {argv!r})"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ignoring], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     stdout, stderr = signal_mid_save(proc, signal.SIGINT, saving, go)
     assert proc.returncode == 130 and "after the save" not in stdout, stderr
     assert "gputui: save.py interrupted" in stderr and "Traceback" not in stderr

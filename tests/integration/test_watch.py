@@ -41,8 +41,10 @@ def test_watch_screen_without_a_driver_fails_cleanly():
 
 
 def test_watch_never_imports_torch():
-    code = ("import sys; from gputui.cli import main; code = main(['watch', '--once', '--json']); "
-            "print('torch' in sys.modules, 'textual' in sys.modules, code in (0, 1))")
+    code = (
+        "import sys; from gputui.cli import main; code = main(['watch', '--once', '--json']); "
+        "print('torch' in sys.modules, 'textual' in sys.modules, code in (0, 1))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
     assert done.stdout.splitlines()[-1] == "False False True"

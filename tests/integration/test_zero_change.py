@@ -30,7 +30,8 @@ json.dump(computed, open("computed.json", "w"))
 """
 
 SCRIPTS = {
-    "tqdm": PRELUDE + """
+    "tqdm": PRELUDE
+    + """
 from tqdm import tqdm
 for epoch in range(2):
     bar = tqdm(loader, desc=f"epoch {epoch}")
@@ -41,8 +42,10 @@ for epoch in range(2):
         opt.step()
         computed.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.4f}")
-""" + SAVE,
-    "every_n": PRELUDE + """
+"""
+    + SAVE,
+    "every_n": PRELUDE
+    + """
 for step, (xb, yb) in enumerate(loader):
     loss = nn.functional.cross_entropy(model(xb), yb)
     loss.backward()
@@ -51,8 +54,10 @@ for step, (xb, yb) in enumerate(loader):
     computed.append(loss.item())
     if step % 3 == 0:
         print(f"step {step} loss: {loss.item():.4f}")
-""" + SAVE,
-    "dict_logs": PRELUDE + """
+"""
+    + SAVE,
+    "dict_logs": PRELUDE
+    + """
 for step, (xb, yb) in enumerate(loader):
     loss = nn.functional.cross_entropy(model(xb), yb)
     loss.backward()
@@ -60,8 +65,10 @@ for step, (xb, yb) in enumerate(loader):
     model.zero_grad()
     computed.append(loss.item())
     print({"loss": round(loss.item(), 4), "learning_rate": 0.01, "epoch": round(step / 10, 2)})
-""" + SAVE,
-    "fetch_ahead": PRELUDE + """
+"""
+    + SAVE,
+    "fetch_ahead": PRELUDE
+    + """
 def ahead(loader):  # as accelerate's DataLoaderShard (and so the HF Trainer) does, to know the last batch
     it = iter(loader)
     current = next(it)
@@ -82,8 +89,10 @@ for epoch in range(2):
         val_loss = sum(nn.functional.cross_entropy(model(xv), yv).item() for xv, yv in val) / len(val)
     outputs = [model(xv).sum() for xv, yv in val]
     print(f"step {len(computed)}: train loss {computed[-1]:.4f}, val loss {val_loss:.4f}")
-""" + SAVE,
-    "argv_and_file": PRELUDE + """
+"""
+    + SAVE,
+    "argv_and_file": PRELUDE
+    + """
 steps = int(sys.argv[1]); out = sys.argv[2]
 for step in range(steps):
     xb, yb = x[step * 8:(step + 1) * 8], y[step * 8:(step + 1) * 8]
@@ -92,7 +101,8 @@ for step in range(steps):
     computed.append(loss.item())
 torch.save(model.state_dict(), out)
 print("wrote", out, "after", steps, "steps")
-""" + SAVE,
+"""
+    + SAVE,
 }
 
 
@@ -104,8 +114,11 @@ def run(tmp_path, name, code, argv, gputui_args=None):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONHASHSEED": "0"}
-    command = [sys.executable, str(script), *argv] if gputui_args is None else \
-        [sys.executable, "-m", "gputui", "run", "--headless", *gputui_args, str(script), *argv]
+    command = (
+        [sys.executable, str(script), *argv]
+        if gputui_args is None
+        else [sys.executable, "-m", "gputui", "run", "--headless", *gputui_args, str(script), *argv]
+    )
     done = subprocess.run(command, capture_output=True, text=True, cwd=folder, env=env, timeout=120)
     return done, folder
 
@@ -140,7 +153,9 @@ def test_own_loop_runs_unchanged_and_its_losses_are_recorded(tmp_path, name):
 
 
 EPOCHS = {  # name: (each step's epoch, from 0; the epochs completed)
-    "tqdm": ([0] * 10 + [1] * 10, 2), "every_n": ([0] * 10, 1), "dict_logs": ([0] * 10, 1),
+    "tqdm": ([0] * 10 + [1] * 10, 2),
+    "every_n": ([0] * 10, 1),
+    "dict_logs": ([0] * 10, 1),
     "fetch_ahead": ([0] * 10 + [1] * 5, 1),
 }
 
@@ -157,14 +172,18 @@ def numpy_warning():
 
 
 def test_printed_losses_when_backward_sees_no_scalar(tmp_path):
-    code = PRELUDE + """
+    code = (
+        PRELUDE
+        + """
 for step, (xb, yb) in enumerate(loader):
     losses = nn.functional.cross_entropy(model(xb), yb, reduction="none")
     losses.backward(torch.full_like(losses, 1 / len(losses)))  # no scalar: the loss comes from the print
     opt.step(); opt.zero_grad()
     computed.append(round(losses.mean().item(), 4))
     print(f"iter {step}: loss {losses.mean().item():.4f}")
-""" + SAVE
+"""
+        + SAVE
+    )
     metrics = tmp_path / "m.jsonl"
     done, folder = run(tmp_path, "vector", code, [], ["--metrics", str(metrics)])
     assert done.returncode == 0, done.stderr
@@ -176,13 +195,16 @@ for step, (xb, yb) in enumerate(loader):
 
 
 def test_a_script_that_raises_fails_as_under_python(tmp_path):
-    code = PRELUDE + """
+    code = (
+        PRELUDE
+        + """
 for step, (xb, yb) in enumerate(loader):
     loss = nn.functional.cross_entropy(model(xb), yb)
     loss.backward(); opt.step(); opt.zero_grad()
     if step == 3:
         raise ValueError("label 9 is out of range")
 """
+    )
     plain, _ = run(tmp_path, "raises", code, [])
     metrics = tmp_path / "m.jsonl"
     ours, _ = run(tmp_path, "raises", code, [], ["--metrics", str(metrics)])
@@ -226,7 +248,9 @@ def test_a_compiled_model_is_watched_without_recompiles(tmp_path):
     """The observer's saved-tensor hooks are installed before the script compiles anything; an op
     dynamo cannot put in a graph (a boolean mask) runs eagerly inside the compiled frame and saves
     tensors through them, and dynamo must not compile them (recompiling past its limit, warning)."""
-    code = PRELUDE + """
+    code = (
+        PRELUDE
+        + """
 class Masked(nn.Module):
     def __init__(self):
         super().__init__()
@@ -241,7 +265,9 @@ for step, (xb, yb) in enumerate(loader):
     loss = nn.functional.cross_entropy(compiled(xb), yb)
     loss.backward(); opt.step(); opt.zero_grad()
     computed.append(loss.item())
-""" + SAVE
+"""
+        + SAVE
+    )
     metrics = tmp_path / "m.jsonl"
     done, folder = run(tmp_path, "compiled", code, [], ["--metrics", str(metrics), "--memory-budget", "1GiB"])
     assert done.returncode == 0, done.stderr
@@ -252,8 +278,9 @@ for step, (xb, yb) in enumerate(loader):
 
 
 def installed(name):
-    return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed "
-                              "(pip install -e '.[integration]')")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(name) is None, reason=f"{name} is not installed (pip install -e '.[integration]')"
+    )
 
 
 @installed("transformers")
@@ -283,14 +310,18 @@ Trainer(model=model, args=args, train_dataset=Tokens()).train()
     done, _ = run(tmp_path, "hf_trainer", code, [], ["--metrics", str(metrics)])
     assert done.returncode == 0, done.stderr
     steps = steps_of(metrics)  # 5 batches of 8 an epoch; stopped 2 steps into the second
-    assert [(s["batch_size"], s["samples"], s["epoch"]) for s in steps] == \
-        [(8, 8 * n, 0) for n in range(1, 6)] + [(8, 48, 1), (8, 56, 1)]
+    assert [(s["batch_size"], s["samples"], s["epoch"]) for s in steps] == [(8, 8 * n, 0) for n in range(1, 6)] + [
+        (8, 48, 1),
+        (8, 56, 1),
+    ]
     assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == 1
 
 
 @installed("accelerate")
 def test_accelerate_loop_with_accumulation_counts_batches_and_epochs(tmp_path):
-    code = PRELUDE + """
+    code = (
+        PRELUDE
+        + """
 from accelerate import Accelerator
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
 model, opt, loader = accelerator.prepare(model, opt, loader)
@@ -300,21 +331,30 @@ for epoch in range(2):
             loss = nn.functional.cross_entropy(model(xb), yb)
             accelerator.backward(loss); opt.step(); opt.zero_grad()
 """
+    )
     metrics = tmp_path / "m.jsonl"
     done, _ = run(tmp_path, "accelerate_loop", code, [], ["--metrics", str(metrics)])
     assert done.returncode == 0, done.stderr
     steps = steps_of(metrics)  # 10 batches of 32 an epoch, two a step
-    assert [(s["batch_size"], s["accumulation"], s["samples"], s["epoch"]) for s in steps] == \
-        [(64, 2, 64 * n, int(n > 5)) for n in range(1, 11)]
+    assert [(s["batch_size"], s["accumulation"], s["samples"], s["epoch"]) for s in steps] == [
+        (64, 2, 64 * n, int(n > 5)) for n in range(1, 11)
+    ]
     assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == 2
 
 
 def test_file_and_argv0_are_what_python_sets(tmp_path):
     (tmp_path / "where.py").write_text("import sys\nprint(__file__, sys.argv[0], __name__)\n")
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    plain = subprocess.run([sys.executable, "where.py"], capture_output=True, text=True, cwd=tmp_path, env=env,
-                           timeout=60)
-    ours = subprocess.run([sys.executable, "-m", "gputui", "run", "--headless", "where.py"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=60)
+    plain = subprocess.run(
+        [sys.executable, "where.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
+    )
+    ours = subprocess.run(
+        [sys.executable, "-m", "gputui", "run", "--headless", "where.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout == plain.stdout == f"{tmp_path / 'where.py'} where.py __main__\n"

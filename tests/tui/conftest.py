@@ -45,8 +45,7 @@ print("saved after", result.steps, "steps")
 
 def make_script(tmp_path, *, batch=16, batches=3000, delay=0.01, fail="", extra=""):
     path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail,
-                                                  extra=extra)))
+    path.write_text(textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail, extra=extra)))
     return path
 
 
@@ -68,8 +67,12 @@ def make_app(hub, tmp_path):
     def make(**script):
         path = make_script(tmp_path, **script)
         out = tmp_path / "saved.pt"
-        app = GputuiApp(LocalSource(hub), script="train.py", refresh=20,
-                        runner=lambda err: run_script(str(path), [str(out)], err=err))
+        app = GputuiApp(
+            LocalSource(hub),
+            script="train.py",
+            refresh=20,
+            runner=lambda err: run_script(str(path), [str(out)], err=err),
+        )
         apps.append(app)
         return app
 
@@ -90,8 +93,14 @@ def own_loop_app(hub, tmp_path):
     def make(code):
         path = tmp_path / "own.py"
         path.write_text(code)
-        apps.append(GputuiApp(LocalSource(hub), script="own.py", refresh=20,
-                              runner=lambda err: run_script(str(path), [], err=err, observe=hub)))
+        apps.append(
+            GputuiApp(
+                LocalSource(hub),
+                script="own.py",
+                refresh=20,
+                runner=lambda err: run_script(str(path), [], err=err, observe=hub),
+            )
+        )
         return apps[-1]
 
     yield make

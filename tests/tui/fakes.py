@@ -24,47 +24,133 @@ class FrozenClock:
 
 def cuda_sample(step: int) -> StepSample:
     wobble = math.sin(step * 1.7)
-    memory = Memory(device="cuda:0", allocated=int(9.2 * GiB + 40 * MiB * wobble), reserved=16 * GiB,
-                    fragmented=int(1.1 * GiB), peak=int(14.1 * GiB + 200 * MiB * wobble), capacity=80 * GiB,
-                    active=int(9.5 * GiB), alloc_retries=0, ooms=1, device_free=62 * GiB,
-                    nvml_used=int(16.6 * GiB), nvml_device_used=int(17.4 * GiB), rss=int(3.1 * GiB))
-    return StepSample(t=T0 + step, step=step, epoch=step // 250, loss=2.4 * math.exp(-step / 90) + 1.4 + 0.06 * wobble,
-                      batch_size=64, micro_batch=32 if step > 120 else 64, accumulation=2 if step > 120 else 1,
-                      amp="bf16", checkpointing=False, samples_per_s=2140.0, memory=memory, samples=step * 64,
-                      host=HostReading(rss=int(3.1 * GiB), cpu_percent=104.0, system_used=41 * GiB,
-                                       system_total=251 * GiB))
+    memory = Memory(
+        device="cuda:0",
+        allocated=int(9.2 * GiB + 40 * MiB * wobble),
+        reserved=16 * GiB,
+        fragmented=int(1.1 * GiB),
+        peak=int(14.1 * GiB + 200 * MiB * wobble),
+        capacity=80 * GiB,
+        active=int(9.5 * GiB),
+        alloc_retries=0,
+        ooms=1,
+        device_free=62 * GiB,
+        nvml_used=int(16.6 * GiB),
+        nvml_device_used=int(17.4 * GiB),
+        rss=int(3.1 * GiB),
+    )
+    return StepSample(
+        t=T0 + step,
+        step=step,
+        epoch=step // 250,
+        loss=2.4 * math.exp(-step / 90) + 1.4 + 0.06 * wobble,
+        batch_size=64,
+        micro_batch=32 if step > 120 else 64,
+        accumulation=2 if step > 120 else 1,
+        amp="bf16",
+        checkpointing=False,
+        samples_per_s=2140.0,
+        memory=memory,
+        samples=step * 64,
+        host=HostReading(rss=int(3.1 * GiB), cpu_percent=104.0, system_used=41 * GiB, system_total=251 * GiB),
+    )
 
 
 def cpu_sample(step: int) -> StepSample:
     wobble = math.sin(step * 0.9)
-    memory = Memory(device="cpu", allocated=int(6.15 * MiB), peak=int(10.8 * MiB + 0.1 * MiB * wobble),
-                    capacity=12 * MiB, params=int(2.05 * MiB), grads=0, optimizer=int(4.1 * MiB), activations=0,
-                    rss=351 * MiB)
-    return StepSample(t=T0 + step, step=step, epoch=0, loss=2.3 * math.exp(-step / 40) + 0.3 + 0.04 * wobble,
-                      batch_size=256, micro_batch=128, accumulation=2, amp="off", checkpointing=False,
-                      samples_per_s=10_400.0, memory=memory, samples=step * 256,
-                      host=HostReading(rss=351 * MiB, cpu_percent=190.0, system_used=618 * MiB,
-                                       system_total=int(23.5 * GiB)))
+    memory = Memory(
+        device="cpu",
+        allocated=int(6.15 * MiB),
+        peak=int(10.8 * MiB + 0.1 * MiB * wobble),
+        capacity=12 * MiB,
+        params=int(2.05 * MiB),
+        grads=0,
+        optimizer=int(4.1 * MiB),
+        activations=0,
+        rss=351 * MiB,
+    )
+    return StepSample(
+        t=T0 + step,
+        step=step,
+        epoch=0,
+        loss=2.3 * math.exp(-step / 40) + 0.3 + 0.04 * wobble,
+        batch_size=256,
+        micro_batch=128,
+        accumulation=2,
+        amp="off",
+        checkpointing=False,
+        samples_per_s=10_400.0,
+        memory=memory,
+        samples=step * 256,
+        host=HostReading(rss=351 * MiB, cpu_percent=190.0, system_used=618 * MiB, system_total=int(23.5 * GiB)),
+    )
 
 
-GPUS = GpuReading(t=T0, driver="580.159.04", devices=(
-    GpuDevice(0, uuid="GPU-0", name="NVIDIA H100 80GB HBM3", utilization=97, memory_used=int(17.4 * GiB),
-              memory_total=80 * GiB, temperature=61, power=598.0, power_limit=700.0,
-              processes=(GpuProcess(4242, int(16.6 * GiB), "compute", "ada", "python train.py"),)),))
+GPUS = GpuReading(
+    t=T0,
+    driver="580.159.04",
+    devices=(
+        GpuDevice(
+            0,
+            uuid="GPU-0",
+            name="NVIDIA H100 80GB HBM3",
+            utilization=97,
+            memory_used=int(17.4 * GiB),
+            memory_total=80 * GiB,
+            temperature=61,
+            power=598.0,
+            power_limit=700.0,
+            processes=(GpuProcess(4242, int(16.6 * GiB), "compute", "ada", "python train.py"),),
+        ),
+    ),
+)
 
 
 def info(device: str, name: str, **extra) -> dict:
-    return {"device": device, "device_name": name, "model": "GPT", "params": 124_000_000, "epochs": 4,
-            "total_steps": 1000, "steps_per_epoch": 250, "micro_batch": None, "amp": "bf16", "checkpointing": False,
-            "checkpointing_unavailable": None, "auto_recover": True, "memory_budget": None, **extra}
+    return {
+        "device": device,
+        "device_name": name,
+        "model": "GPT",
+        "params": 124_000_000,
+        "epochs": 4,
+        "total_steps": 1000,
+        "steps_per_epoch": 250,
+        "micro_batch": None,
+        "amp": "bf16",
+        "checkpointing": False,
+        "checkpointing_unavailable": None,
+        "auto_recover": True,
+        "memory_budget": None,
+        **extra,
+    }
 
 
 def cuda_events() -> list[Event]:
     return [
-        Event("oom_recovered", 120, {"phase": "backward", "micro_batch": 64, "micro_batch_to": 32, "accumulation": 2,
-                                     "message": "CUDA out of memory. Tried to allocate 2.00 GiB"}, t=T0 + 120),
-        Event("cache_freed", 200, {"bytes": int(1.2 * GiB), "reserved_before": int(17.2 * GiB),
-                                   "reserved_after": 16 * GiB, "request_id": 1, "latency_s": 0.012}, t=T0 + 200),
+        Event(
+            "oom_recovered",
+            120,
+            {
+                "phase": "backward",
+                "micro_batch": 64,
+                "micro_batch_to": 32,
+                "accumulation": 2,
+                "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+            },
+            t=T0 + 120,
+        ),
+        Event(
+            "cache_freed",
+            200,
+            {
+                "bytes": int(1.2 * GiB),
+                "reserved_before": int(17.2 * GiB),
+                "reserved_after": 16 * GiB,
+                "request_id": 1,
+                "latency_s": 0.012,
+            },
+            t=T0 + 200,
+        ),
         Event("amp_changed", 230, {"from": "off", "to": "bf16", "request_id": 2, "latency_s": 0.009}, t=T0 + 230),
     ]
 
@@ -77,8 +163,10 @@ class FakeSource:
         self.sent: list[tuple[str, object]] = []
 
     def poll(self) -> Update:
-        update, self.update = self.update, Update([], [], self.update.info, self.update.summary,
-                                                  self.update.gpus, runs=1)
+        update, self.update = (
+            self.update,
+            Update([], [], self.update.info, self.update.summary, self.update.gpus, runs=1),
+        )
         return update
 
     def request(self, action, value=None):
@@ -87,14 +175,37 @@ class FakeSource:
 
 
 def cuda_run(steps: int = 300) -> FakeSource:
-    return FakeSource([cuda_sample(s) for s in range(1, steps + 1)], cuda_events(),
-                      info("cuda:0", "NVIDIA H100 80GB HBM3"), GPUS)
+    return FakeSource(
+        [cuda_sample(s) for s in range(1, steps + 1)], cuda_events(), info("cuda:0", "NVIDIA H100 80GB HBM3"), GPUS
+    )
 
 
 def cpu_run(steps: int = 120) -> FakeSource:
-    events = [Event("oom_recovered", 1, {"phase": "backward", "micro_batch": 256, "micro_batch_to": 128,
-                                         "accumulation": 2, "message": "CPU memory budget exceeded in backward"},
-                    t=T0 + 2)]
-    return FakeSource([cpu_sample(s) for s in range(1, steps + 1)], events,
-                      info("cpu", "CPU", memory_budget=12 * MiB, model="MLP", total_steps=400, epochs=2, amp="off",
-                           checkpointing_unavailable=None))
+    events = [
+        Event(
+            "oom_recovered",
+            1,
+            {
+                "phase": "backward",
+                "micro_batch": 256,
+                "micro_batch_to": 128,
+                "accumulation": 2,
+                "message": "CPU memory budget exceeded in backward",
+            },
+            t=T0 + 2,
+        )
+    ]
+    return FakeSource(
+        [cpu_sample(s) for s in range(1, steps + 1)],
+        events,
+        info(
+            "cpu",
+            "CPU",
+            memory_budget=12 * MiB,
+            model="MLP",
+            total_steps=400,
+            epochs=2,
+            amp="off",
+            checkpointing_unavailable=None,
+        ),
+    )

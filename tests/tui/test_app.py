@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-
+from conftest import text, until
 from textual.command import CommandPalette
 from textual.widgets import Input, RichLog
 
 from gputui.tui.screens import ConfirmQuit, FailureScreen, LogScreen, OomScreen, TopTensorsScreen
-from conftest import text, until
 
 
 def names(hub):
@@ -59,12 +58,15 @@ async def test_log_screen_shows_what_the_script_printed(make_app, hub):
         assert not isinstance(app.screen, LogScreen)
 
 
-@pytest.mark.parametrize("key, event, shown", [
-    ("a", "amp_changed", "AMP bf16"),
-    ("c", "checkpointing_changed", "checkpointing on"),
-    ("o", "auto_recover_changed", "auto-recover off"),
-    ("f", "cache_freed", "memory freed: RSS"),
-])
+@pytest.mark.parametrize(
+    "key, event, shown",
+    [
+        ("a", "amp_changed", "AMP bf16"),
+        ("c", "checkpointing_changed", "checkpointing on"),
+        ("o", "auto_recover_changed", "auto-recover off"),
+        ("f", "cache_freed", "memory freed: RSS"),
+    ],
+)
 async def test_remedy_keys(make_app, hub, key, event, shown):
     app = make_app()
     async with app.run_test(size=(120, 30)) as pilot:
@@ -179,8 +181,9 @@ async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
         table = app.screen.query_one("#top-table")
         roles = {str(table.get_row_at(i)[5]) for i in range(table.row_count)}
         top = app.view.top
-        assert "parameter" in roles and table.row_count > 3, {k: top.get(k) for k in
-                                                              ("complete", "scanned", "elapsed_s", "groups", "rows")}
+        assert "parameter" in roles and table.row_count > 3, {
+            k: top.get(k) for k in ("complete", "scanned", "elapsed_s", "groups", "rows")
+        }
         timeline = text(app, "#timeline")  # every request is answered there, this one too
         assert "requested: top tensors" in timeline and "✓ top tensors:" in timeline, timeline
 

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from conftest import text, until
 
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
@@ -12,7 +13,6 @@ from gputui.telemetry.sample import Event, Memory, StepSample
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
-from conftest import text, until
 
 
 @pytest.fixture
@@ -22,21 +22,53 @@ def job(tmp_path, monkeypatch):
     hub = Hub()
     server = TelemetryServer(hub).start()
     stop = threading.Event()
-    hub.start({"device": "cpu", "device_name": "CPU", "argv": ["/home/ada/train.py", "--lr", "3"], "pid": 4242,
-               "total_steps": 10_000, "checkpointing_unavailable": None, "auto_recover": True})
+    hub.start(
+        {
+            "device": "cpu",
+            "device_name": "CPU",
+            "argv": ["/home/ada/train.py", "--lr", "3"],
+            "pid": 4242,
+            "total_steps": 10_000,
+            "checkpointing_unavailable": None,
+            "auto_recover": True,
+        }
+    )
 
     def train():
         step, micro = 0, 64
         while not stop.is_set():
             for control in hub.controls.drain():
                 if control.action == "halve_batch":
-                    hub.emit(Event("micro_batch_changed", step, {"from": micro, "to": micro // 2, "accumulation": 2,
-                                                                  "request_id": control.id, "latency_s": 0.01}))
+                    hub.emit(
+                        Event(
+                            "micro_batch_changed",
+                            step,
+                            {
+                                "from": micro,
+                                "to": micro // 2,
+                                "accumulation": 2,
+                                "request_id": control.id,
+                                "latency_s": 0.01,
+                            },
+                        )
+                    )
                     micro //= 2
             step += 1
-            hub.publish(StepSample(t=time.time(), step=step, epoch=0, loss=2.0 / step, batch_size=64,
-                                   micro_batch=micro, accumulation=64 // micro, amp="off", checkpointing=False,
-                                   samples_per_s=3200.0, memory=Memory("cpu", allocated=1000, peak=2000)))
+            hub.publish(
+                StepSample(
+                    t=time.time(),
+                    step=step,
+                    epoch=0,
+                    loss=2.0 / step,
+                    batch_size=64,
+                    micro_batch=micro,
+                    accumulation=64 // micro,
+                    amp="off",
+                    checkpointing=False,
+                    samples_per_s=3200.0,
+                    memory=Memory("cpu", allocated=1000, peak=2000),
+                )
+            )
             time.sleep(0.02)
         hub.end({"steps": step, "samples": step * 64, "error": None, "stopped": "requested", "elapsed_s": 3.0})
 

@@ -1,11 +1,11 @@
 """The script's output as a user reads it: whole lines from their start, progress bars as one line."""
 
+from conftest import text, until
 from textual.widgets import RichLog, Static
 
 from gputui.tui.app import GputuiApp
 from gputui.tui.model import LocalSource, OutputLog
 from gputui.tui.screens import LogScreen
-from conftest import text, until
 
 
 def test_carriage_return_redraws_one_line_until_its_newline():
@@ -43,8 +43,10 @@ def test_a_bar_that_redraws_forever_keeps_only_its_last_redraw():
     assert log.current == "9999" and len(log._partial) < 10
 
 
-LONG = ("{'loss': '6.034', 'grad_norm': '1.25', 'learning_rate': '4.9e-05', 'epoch': '0.12', "
-        "'step': 1234, 'tokens_per_second': 9876.5, 'marker': 'END'}")
+LONG = (
+    "{'loss': '6.034', 'grad_norm': '1.25', 'learning_rate': '4.9e-05', 'epoch': '0.12', "
+    "'step': 1234, 'tokens_per_second': 9876.5, 'marker': 'END'}"
+)
 OWN_LOOP = f"""
 import sys, time, torch
 from torch import nn

@@ -4,10 +4,9 @@ After a deliberate UI change: `pytest tests/tui/test_snapshots.py --snapshot-upd
 the new SVGs before committing them.
 """
 
-
 import pytest
-
 from fakes import FrozenClock, cpu_run, cuda_run
+
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
 from gputui.tui.screens import OomScreen
@@ -30,9 +29,19 @@ def test_main_screen_cpu_budget(snap_compare):
 
 def test_oom_dialog(snap_compare):
     source = cuda_run(150)
-    source.update.events.append(Event("oom", 150, {"phase": "forward", "micro_batch": 32, "waiting": True,
-                                                   "message": "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 "
-                                                              "has a total capacity of 79.19 GiB"}, t=1_795_000_150.0))
+    source.update.events.append(
+        Event(
+            "oom",
+            150,
+            {
+                "phase": "forward",
+                "micro_batch": 32,
+                "waiting": True,
+                "message": "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.19 GiB",
+            },
+            t=1_795_000_150.0,
+        )
+    )
 
     async def dialog_shown(pilot):  # the first pull pushes it: wait for it, not for a lucky frame
         for _ in range(100):

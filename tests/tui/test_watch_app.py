@@ -22,18 +22,36 @@ GiB, MiB = 2**30, 2**20
 T0 = 1_795_000_000.0  # 2026-11-18 11:06:40 UTC
 
 H100 = dict(name="NVIDIA H100 80GB HBM3", memory_total=80 * GiB, power_limit=700.0)
-GPUS = GpuReading(t=T0, driver="580.159.04", devices=(
-    GpuDevice(0, utilization=97, memory_used=int(61.2 * GiB), temperature=61, power=598.0, **H100, processes=(
-        GpuProcess(4242, 48 * GiB, "compute", "ada", "python train.py --model gpt2-xl"),
-        GpuProcess(5120, None, "compute"),  # a PID from another namespace: memory, user and command hidden
-        GpuProcess(1733, 300 * MiB, "graphics", "root", "Xorg :0"),
-    )),
-    GpuDevice(1, utilization=4, memory_used=int(12.6 * GiB), temperature=38, power=91.0, **H100, processes=(
-        GpuProcess(7001, 12 * GiB, "compute", "bo", "python -m vllm.entrypoints.openai.api_server"),
-    )),
-    GpuDevice(2, name="Tesla K80"),  # every figure NotSupported
-    GpuDevice(3, error="NVML could not read this GPU: GPU is lost"),
-))
+GPUS = GpuReading(
+    t=T0,
+    driver="580.159.04",
+    devices=(
+        GpuDevice(
+            0,
+            utilization=97,
+            memory_used=int(61.2 * GiB),
+            temperature=61,
+            power=598.0,
+            **H100,
+            processes=(
+                GpuProcess(4242, 48 * GiB, "compute", "ada", "python train.py --model gpt2-xl"),
+                GpuProcess(5120, None, "compute"),  # a PID from another namespace: memory, user and command hidden
+                GpuProcess(1733, 300 * MiB, "graphics", "root", "Xorg :0"),
+            ),
+        ),
+        GpuDevice(
+            1,
+            utilization=4,
+            memory_used=int(12.6 * GiB),
+            temperature=38,
+            power=91.0,
+            **H100,
+            processes=(GpuProcess(7001, 12 * GiB, "compute", "bo", "python -m vllm.entrypoints.openai.api_server"),),
+        ),
+        GpuDevice(2, name="Tesla K80"),  # every figure NotSupported
+        GpuDevice(3, error="NVML could not read this GPU: GPU is lost"),
+    ),
+)
 NO_DRIVER = GpuReading(t=T0, status="no NVIDIA driver is loaded (nvidia-smi would fail too)")
 
 
@@ -109,8 +127,12 @@ async def test_s_cycles_the_sort_and_the_cursor_stays_on_its_process():
         cursor = table.get_row_at(table.cursor_row)[1]
         title = table.border_title
 
-    assert orders == [[4242, 7001, 1733, 5120], [1733, 4242, 5120, 7001], [4242, 1733, 5120, 7001],
-                      [4242, 7001, 1733, 5120]]
+    assert orders == [
+        [4242, 7001, 1733, 5120],
+        [1733, 4242, 5120, 7001],
+        [4242, 1733, 5120, 7001],
+        [4242, 7001, 1733, 5120],
+    ]
     assert str(cursor) == "7001" and title.endswith("sorted by memory")
 
 
@@ -141,8 +163,11 @@ async def test_waits_for_the_first_reading_then_renders_each_new_one_once():
         poller.reading = GPUS
         await pilot.pause(0.1)  # five pulls of the same object
         shown_once = list(shown)
-        newer = GpuReading(t=T0 + 60, driver="580.159.04", devices=(GpuDevice(0, name="H200", processes=(
-            GpuProcess(99, GiB, "compute", "cy", "python serve.py"),)),))
+        newer = GpuReading(
+            t=T0 + 60,
+            driver="580.159.04",
+            devices=(GpuDevice(0, name="H200", processes=(GpuProcess(99, GiB, "compute", "cy", "python serve.py"),)),),
+        )
         poller.reading = newer
         await pilot.pause(0.1)
         header, table = rendered(app, "#header"), rows(app)
@@ -197,8 +222,9 @@ def test_run_screen_polls_while_the_app_runs(monkeypatch):
 
     monkeypatch.setattr(watch, "read_gpus", lambda: GPUS)
     monkeypatch.setattr(watch, "NvmlPoller", Poller)
-    monkeypatch.setattr(WatchApp, "run", lambda self: seen.append((self.poller.interval, self.poller.running,
-                                                                   self.refresh_hz)))
+    monkeypatch.setattr(
+        WatchApp, "run", lambda self: seen.append((self.poller.interval, self.poller.running, self.refresh_hz))
+    )
 
     assert watch.run_screen(10.0, io.StringIO()) == 0
     assert watch.run_screen(0.5, io.StringIO()) == 0

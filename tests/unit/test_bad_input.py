@@ -1,21 +1,26 @@
 import pytest
 import torch
+from helpers import ConvNet, conv_batches, conv_step
 from torch import nn
 
 import gputui
-from helpers import ConvNet, conv_batches, conv_step
 
 
 def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("step, message", [
-    (lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
-     r"step\(\) must return a scalar loss \(the mean over the batch\), got a tensor of shape \(4,\)"),
-    (lambda m, b: 0.5, r"step\(\) must return the loss as a scalar tensor, got float"),
-    (lambda m, b: conv_step(m, b).detach(), "does not require grad"),
-])
+@pytest.mark.parametrize(
+    "step, message",
+    [
+        (
+            lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
+            r"step\(\) must return a scalar loss \(the mean over the batch\), got a tensor of shape \(4,\)",
+        ),
+        (lambda m, b: 0.5, r"step\(\) must return the loss as a scalar tensor, got float"),
+        (lambda m, b: conv_step(m, b).detach(), "does not require grad"),
+    ],
+)
 def test_bad_step_output(step, message, hub):
     model = ConvNet()
     with pytest.raises(gputui.FitError, match=message):
@@ -32,14 +37,17 @@ def test_empty_data_and_one_shot_generators():
         gputui.fit(model, (b for b in conv_batches(2, 4)), conv_step, sgd(model), epochs=2)
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(memory_budget="lots"), ValueError, "not a size: 'lots'"),
-    (dict(amp="fp8"), ValueError, "unknown AMP mode 'fp8'"),
-    (dict(micro_batch=0), ValueError, "micro_batch must be a positive int"),
-    (dict(epochs=1.5), ValueError, "epochs must be a positive int"),
-    (dict(device="cuda"), ValueError, "CUDA is not available"),
-    (dict(device="tpu"), RuntimeError, "tpu"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(memory_budget="lots"), ValueError, "not a size: 'lots'"),
+        (dict(amp="fp8"), ValueError, "unknown AMP mode 'fp8'"),
+        (dict(micro_batch=0), ValueError, "micro_batch must be a positive int"),
+        (dict(epochs=1.5), ValueError, "epochs must be a positive int"),
+        (dict(device="cuda"), ValueError, "CUDA is not available"),
+        (dict(device="tpu"), RuntimeError, "tpu"),
+    ],
+)
 def test_bad_arguments(kwargs, error, message):
     model = ConvNet()
     with pytest.raises(error, match=message):

@@ -2,9 +2,9 @@
 micro-batch of 1 sample for it (PyTorch's ValueError mid-step), and stops with a FitError that
 says what to do when memory runs out at 2."""
 
-
 import pytest
 import torch
+from helpers import RequestAt, assert_same_buffers, assert_same_weights, thrashing_allocator, twins
 from torch import nn
 from torch.nn import functional as F
 
@@ -13,7 +13,6 @@ from gputui.engine.microbatch import sizes, split
 from gputui.engine.oom import Buffers
 from gputui.telemetry.describe import BATCH_NORM_FLOOR, describe
 from gputui.tui.model import LocalSource, RunView
-from helpers import RequestAt, assert_same_buffers, assert_same_weights, thrashing_allocator, twins
 
 FLOOR_ERROR = "BatchNorm needs at least 2 samples per micro-batch, so it cannot be halved again"
 
@@ -133,8 +132,9 @@ def test_said_once_when_training_first_goes_micro_batched(hub):
     assert names == ["oom_recovered", "batch_norm_micro_batched", "micro_batch_changed"]
     said = result.events[1]
     assert (said.step, said["layers"], said["micro_batch"], said["batch_size"]) == (0, 1, 4, 8)
-    assert describe(said).startswith("BatchNorm now normalizes over micro-batches of 4 samples, "
-                                     "not the global batch of 8")
+    assert describe(said).startswith(
+        "BatchNorm now normalizes over micro-batches of 4 samples, not the global batch of 8"
+    )
     assert result.steps == 4 and result.micro_batch == 2
 
 
@@ -167,7 +167,7 @@ def test_a_last_micro_batch_of_1_joins_the_one_before_with_its_share_of_the_loss
 
     optimizer = sgd(ref)
     for x, y in data:
-        for xs, ys in zip(x.split([3, 3, 4]), y.split([3, 3, 4])):
+        for xs, ys in zip(x.split([3, 3, 4]), y.split([3, 3, 4]), strict=True):
             (step(ref, (xs, ys)) * (len(xs) / 10)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -179,9 +179,14 @@ def test_the_halve_key_is_dimmed_at_the_floor_with_the_reason(hub):
     view, source, reasons = RunView(), LocalSource(hub), []
 
     class Reader:  # the TUI's view of the run, read while it trains
-        def on_start(self, info): pass
-        def on_event(self, event): pass
-        def on_end(self, summary): pass
+        def on_start(self, info):
+            pass
+
+        def on_event(self, event):
+            pass
+
+        def on_end(self, summary):
+            pass
 
         def on_sample(self, sample):
             view.apply(source.poll())

@@ -7,24 +7,43 @@ import pytest
 
 
 def modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n' + ' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print('\\n' + ' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {name.split(".")[0] for name in out.splitlines()[-1].split()}
 
 
-@pytest.mark.parametrize("module", [
-    "gputui", "gputui.cli", "gputui.units", "gputui.launch", "gputui.telemetry.hub",
-    "gputui.telemetry.controls", "gputui.telemetry.progress", "gputui.telemetry.jsonl",
-    "gputui.telemetry.describe", "gputui.telemetry.history", "gputui.engine.result", "gputui.probes.nvml",
-    "gputui.watch", "gputui.interrupts",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "gputui",
+        "gputui.cli",
+        "gputui.units",
+        "gputui.launch",
+        "gputui.telemetry.hub",
+        "gputui.telemetry.controls",
+        "gputui.telemetry.progress",
+        "gputui.telemetry.jsonl",
+        "gputui.telemetry.describe",
+        "gputui.telemetry.history",
+        "gputui.engine.result",
+        "gputui.probes.nvml",
+        "gputui.watch",
+        "gputui.interrupts",
+    ],
+)
 def test_no_torch_no_textual(module):
     loaded = modules_after(f"import {module}")
     assert "torch" not in loaded and "textual" not in loaded
 
 
 def test_help_does_not_import_torch():
-    loaded = modules_after("from gputui.cli import main\ntry:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass")
+    loaded = modules_after(
+        "from gputui.cli import main\ntry:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass"
+    )
     assert "torch" not in loaded
 
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import ConvNet, conv_batches, conv_step
 from torch import nn
 
 import gputui
 from gputui.probes.cpu import StateTracker
-from helpers import ConvNet, conv_batches, conv_step
 
 
 def test_counts_parameters_gradients_optimizer_state_exactly():
@@ -73,8 +73,7 @@ def test_fit_publishes_real_changing_cpu_readings(hub):
 def peak_of(**kwargs):
     torch.manual_seed(0)
     model = ConvNet(channels=16, blocks=4)
-    result = gputui.fit(model, conv_batches(2, 32), conv_step, torch.optim.SGD(model.parameters(), lr=0.01),
-                        **kwargs)
+    result = gputui.fit(model, conv_batches(2, 32), conv_step, torch.optim.SGD(model.parameters(), lr=0.01), **kwargs)
     return result, gputui.telemetry.hub.current().latest().memory.peak
 
 

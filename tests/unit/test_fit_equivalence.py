@@ -2,10 +2,19 @@
 
 import pytest
 import torch
+from helpers import (
+    ConvNet,
+    TokenModel,
+    assert_same_weights,
+    conv_batches,
+    conv_step,
+    plain_loop,
+    token_batches,
+    token_step,
+    twins,
+)
 
 import gputui
-from helpers import (ConvNet, TokenModel, assert_same_weights, conv_batches, conv_step, plain_loop,
-                     token_batches, token_step, twins)
 
 
 def sgd(model):

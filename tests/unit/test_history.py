@@ -31,8 +31,19 @@ def test_mean_history_is_the_mean_of_what_it_merged():
 
 
 def sample(step):
-    return StepSample(t=0, step=step, epoch=0, loss=1.0, batch_size=1, micro_batch=1, accumulation=1, amp="off",
-                      checkpointing=False, samples_per_s=None, memory=Memory("cpu"))
+    return StepSample(
+        t=0,
+        step=step,
+        epoch=0,
+        loss=1.0,
+        batch_size=1,
+        micro_batch=1,
+        accumulation=1,
+        amp="off",
+        checkpointing=False,
+        samples_per_s=None,
+        memory=Memory("cpu"),
+    )
 
 
 def test_hub_since_hands_each_reader_what_is_new():

@@ -4,9 +4,9 @@ import random
 import threading
 
 import torch
+from helpers import ConvNet, RequestAt, conv_batches, conv_step, on_event
 
 import gputui
-from helpers import ConvNet, RequestAt, conv_batches, conv_step, on_event
 
 
 class Recorder:
@@ -39,8 +39,14 @@ def test_controls_never_apply_inside_an_accumulation_window(hub):
     step = Recorder(count)
     done = threading.Event()
     rnd = random.Random(0)
-    actions = [("halve_batch", None), ("double_batch", None), ("set_amp", "bf16"), ("set_amp", "off"),
-               ("set_checkpointing", True), ("set_checkpointing", False)]
+    actions = [
+        ("halve_batch", None),
+        ("double_batch", None),
+        ("set_amp", "bf16"),
+        ("set_amp", "off"),
+        ("set_checkpointing", True),
+        ("set_checkpointing", False),
+    ]
 
     def storm():
         while not done.is_set():
@@ -56,7 +62,7 @@ def test_controls_never_apply_inside_an_accumulation_window(hub):
         t.join()
     assert result.steps == 40
     per_step = {}
-    for index, size, dtype in step.calls:
+    for index, _size, dtype in step.calls:
         per_step.setdefault(index, set()).add(dtype)
     assert all(len(dtypes) == 1 for dtypes in per_step.values()), "autocast changed inside a step"
     for index in per_step:
@@ -69,19 +75,37 @@ def test_controls_never_apply_inside_an_accumulation_window(hub):
 def test_each_control_applied_at_the_next_boundary_with_an_event(hub):
     model = ConvNet()
     hub.add_sink(RequestAt(hub, 6, "stop"))
-    for action, value in [("halve_batch", None), ("halve_batch", None), ("set_amp", "bf16"),
-                          ("set_checkpointing", True), ("set_auto_recover", False), ("free_cache", None),
-                          ("free_cache", None), ("double_batch", None)]:
+    for action, value in [
+        ("halve_batch", None),
+        ("halve_batch", None),
+        ("set_amp", "bf16"),
+        ("set_checkpointing", True),
+        ("set_auto_recover", False),
+        ("free_cache", None),
+        ("free_cache", None),
+        ("double_batch", None),
+    ]:
         hub.controls.request(action, value, source="test")
     result = gputui.fit(model, conv_batches(10, 8), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     assert result.stopped == "requested" and result.steps == 6
     events = result.events
-    assert [e.name for e in events] == ["micro_batch_changed", "micro_batch_changed", "amp_changed",
-                                        "checkpointing_changed", "auto_recover_changed", "cache_freed",
-                                        "control_refused", "micro_batch_changed", "stopped"]
+    assert [e.name for e in events] == [
+        "micro_batch_changed",
+        "micro_batch_changed",
+        "amp_changed",
+        "checkpointing_changed",
+        "auto_recover_changed",
+        "cache_freed",
+        "control_refused",
+        "micro_batch_changed",
+        "stopped",
+    ]
     assert all(e.step == 0 for e in events[:-1]) and events[-1].step == 6
-    assert [(e["from"], e["to"], e["accumulation"]) for e in events if e.name == "micro_batch_changed"] == \
-        [(8, 4, 2), (4, 2, 4), (2, 4, 2)]
+    assert [(e["from"], e["to"], e["accumulation"]) for e in events if e.name == "micro_batch_changed"] == [
+        (8, 4, 2),
+        (4, 2, 4),
+        (2, 4, 2),
+    ]
     assert events[2]["to"] == "bf16" and events[3]["enabled"] is True and events[3]["how"] == "3 x Residual"
     assert events[5]["rss_before"] > 0 and "bytes" in events[5].details
     assert events[6]["reason"] == "the cache was freed at this boundary already"
@@ -92,15 +116,25 @@ def test_each_control_applied_at_the_next_boundary_with_an_event(hub):
 
 def test_refused_controls_say_why(hub):
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(108, 5))  # no repeated blocks
-    for action, value in [("double_batch", None), ("set_amp", "off"), ("set_checkpointing", True),
-                          ("resume", None), ("set_auto_recover", True)]:
+    for action, value in [
+        ("double_batch", None),
+        ("set_amp", "off"),
+        ("set_checkpointing", True),
+        ("resume", None),
+        ("set_auto_recover", True),
+    ]:
         hub.controls.request(action, value)
     hub.add_sink(RequestAt(hub, 1, "stop"))
     result = gputui.fit(model, conv_batches(3, 1), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     reasons = [e["reason"] for e in result.events if e.name == "control_refused"]
-    assert reasons == ["the micro-batch already equals the global batch (1)", "AMP is already off",
-                       "no repeated blocks found (no ModuleList/Sequential of same-type layers): "
-                       "pass checkpoint_modules=[...] to fit()", "not paused", "auto-recover is already on"]
+    assert reasons == [
+        "the micro-batch already equals the global batch (1)",
+        "AMP is already off",
+        "no repeated blocks found (no ModuleList/Sequential of same-type layers): "
+        "pass checkpoint_modules=[...] to fit()",
+        "not paused",
+        "auto-recover is already on",
+    ]
     hub.controls.request("halve_batch")
     result = gputui.fit(model, conv_batches(1, 1), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     assert result.events[0]["reason"] == "the micro-batch is already 1"

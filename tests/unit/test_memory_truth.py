@@ -1,28 +1,39 @@
 """Readings the panels show: CUDA figures from a recorded memory_stats(), NVML's view, top tensors."""
 
-
 import pytest
 import torch
+from helpers import ConvNet, conv_batches, conv_step, thrashing_allocator
 
 import gputui
 from gputui.probes.cuda import NvmlView, memory_from_stats
 from gputui.probes.tensors import top_tensors
 from gputui.telemetry.sample import GpuDevice, GpuProcess, GpuReading, Memory
-from helpers import ConvNet, conv_batches, conv_step, thrashing_allocator
 
 GiB, MiB = 2**30, 2**20
 
 # The keys torch.cuda.memory_stats() returns (a subset, as recorded on a CUDA device mid-training).
 RECORDED = {
-    "active.all.current": 412, "active_bytes.all.current": 9 * GiB + 512 * MiB,
-    "active_bytes.large_pool.current": 9 * GiB, "active_bytes.small_pool.current": 512 * MiB,
-    "allocated_bytes.all.allocated": 9_000 * GiB, "allocated_bytes.all.current": 9 * GiB + 256 * MiB,
-    "allocated_bytes.all.freed": 8_990 * GiB, "allocated_bytes.all.peak": 14 * GiB,
-    "allocated_bytes.large_pool.current": 9 * GiB, "allocated_bytes.small_pool.current": 256 * MiB,
-    "inactive_split_bytes.all.current": 1 * GiB + 128 * MiB, "inactive_split_bytes.large_pool.current": GiB,
-    "num_alloc_retries": 3, "num_device_alloc": 120, "num_device_free": 40, "num_ooms": 1,
-    "num_sync_all_streams": 3, "reserved_bytes.all.current": 16 * GiB, "reserved_bytes.all.peak": 18 * GiB,
-    "reserved_bytes.large_pool.current": 15 * GiB + 768 * MiB, "segment.all.current": 80,
+    "active.all.current": 412,
+    "active_bytes.all.current": 9 * GiB + 512 * MiB,
+    "active_bytes.large_pool.current": 9 * GiB,
+    "active_bytes.small_pool.current": 512 * MiB,
+    "allocated_bytes.all.allocated": 9_000 * GiB,
+    "allocated_bytes.all.current": 9 * GiB + 256 * MiB,
+    "allocated_bytes.all.freed": 8_990 * GiB,
+    "allocated_bytes.all.peak": 14 * GiB,
+    "allocated_bytes.large_pool.current": 9 * GiB,
+    "allocated_bytes.small_pool.current": 256 * MiB,
+    "inactive_split_bytes.all.current": 1 * GiB + 128 * MiB,
+    "inactive_split_bytes.large_pool.current": GiB,
+    "num_alloc_retries": 3,
+    "num_device_alloc": 120,
+    "num_device_free": 40,
+    "num_ooms": 1,
+    "num_sync_all_streams": 3,
+    "reserved_bytes.all.current": 16 * GiB,
+    "reserved_bytes.all.peak": 18 * GiB,
+    "reserved_bytes.large_pool.current": 15 * GiB + 768 * MiB,
+    "segment.all.current": 80,
 }
 
 
@@ -51,8 +62,9 @@ class FakePoller:
 def test_nvml_view_reads_this_process_or_only_the_device_in_a_container():
     mine = GpuProcess(pid=4242, gpu_memory=13 * GiB, kind="compute")
     other = GpuProcess(pid=7, gpu_memory=2 * GiB, kind="compute")
-    reading = GpuReading(t=0.0, devices=(GpuDevice(0, memory_used=5 * GiB), GpuDevice(1, memory_used=15 * GiB,
-                                                                                   processes=(mine, other))))
+    reading = GpuReading(
+        t=0.0, devices=(GpuDevice(0, memory_used=5 * GiB), GpuDevice(1, memory_used=15 * GiB, processes=(mine, other)))
+    )
     assert NvmlView(FakePoller(reading), 1, 4242).used() == {"nvml_used": 13 * GiB, "nvml_device_used": 15 * GiB}
     hidden = GpuReading(t=0.0, devices=(GpuDevice(0, memory_used=5 * GiB),))  # PIDs hidden from NVML
     assert NvmlView(FakePoller(hidden), 0, 4242).used() == {"nvml_used": None, "nvml_device_used": 5 * GiB}
@@ -68,8 +80,14 @@ def test_top_tensors_groups_roles_and_shared_storage():
     report = top_tensors(params=list(model.parameters()), grads=[p.grad for p in model.parameters()], limit=10_000)
     rows = report["rows"]
     assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
-    assert {"shape": [1024, 1024], "dtype": "float32", "device": "cpu", "role": "other", "count": 1,
-            "bytes": 4 * MiB} in rows
+    assert {
+        "shape": [1024, 1024],
+        "dtype": "float32",
+        "device": "cpu",
+        "role": "other",
+        "count": 1,
+        "bytes": 4 * MiB,
+    } in rows
     weight = next(r for r in rows if r["shape"] == [512, 256] and r["role"] == "parameter")
     grad = next(r for r in rows if r["shape"] == [512, 256] and r["role"] == "gradient")
     assert weight["bytes"] == grad["bytes"] == 512 * 256 * 4
@@ -98,8 +116,9 @@ def test_top_tensors_and_snapshot_controls_on_cpu(hub):
 def test_gpu_memory_limit_needs_cuda():
     model = ConvNet()
     with pytest.raises(ValueError, match="gpu_memory_limit needs a CUDA device"):
-        gputui.fit(model, conv_batches(1, 2), conv_step, torch.optim.SGD(model.parameters(), lr=0.1),
-                   gpu_memory_limit="8GiB")
+        gputui.fit(
+            model, conv_batches(1, 2), conv_step, torch.optim.SGD(model.parameters(), lr=0.1), gpu_memory_limit="8GiB"
+        )
 
 
 def test_host_readings_ride_on_the_samples(hub):

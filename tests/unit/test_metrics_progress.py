@@ -4,22 +4,47 @@ import os
 
 import pytest
 import torch
+from helpers import ConvNet, conv_batches, conv_step
 
 import gputui
 from gputui.telemetry.describe import describe
 from gputui.telemetry.jsonl import MetricsFile
 from gputui.telemetry.progress import ProgressLine
-from helpers import ConvNet, conv_batches, conv_step
 
-STEP_KEYS = {"v", "kind", "t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp",
-             "checkpointing", "device", "allocated", "reserved", "fragmented", "peak", "rss", "samples_per_s"}
+STEP_KEYS = {
+    "v",
+    "kind",
+    "t",
+    "step",
+    "epoch",
+    "loss",
+    "batch_size",
+    "micro_batch",
+    "accumulation",
+    "amp",
+    "checkpointing",
+    "device",
+    "allocated",
+    "reserved",
+    "fragmented",
+    "peak",
+    "rss",
+    "samples_per_s",
+}
 
 
 def test_metrics_file_schema(tmp_path):
     path = tmp_path / "m.jsonl"
     model = ConvNet()
-    gputui.fit(model, conv_batches(4, 8), conv_step, torch.optim.SGD(model.parameters(), lr=0.1),
-               micro_batch=4, memory_budget="50KiB", metrics=path)
+    gputui.fit(
+        model,
+        conv_batches(4, 8),
+        conv_step,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        micro_batch=4,
+        memory_budget="50KiB",
+        metrics=path,
+    )
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "end"
     steps = [x for x in lines if x["kind"] == "step"]
@@ -27,7 +52,10 @@ def test_metrics_file_schema(tmp_path):
     for x in steps:
         assert STEP_KEYS <= set(x)
         assert x["v"] == 1 and x["device"] == "cpu" and x["amp"] == "off" and x["checkpointing"] is False
-        assert x["batch_size"] == 8 and x["micro_batch"] * (x["accumulation"] - 1) < 8 <= x["micro_batch"] * x["accumulation"]
+        assert (
+            x["batch_size"] == 8
+            and x["micro_batch"] * (x["accumulation"] - 1) < 8 <= x["micro_batch"] * x["accumulation"]
+        )
         assert isinstance(x["loss"], float) and x["allocated"] > 0 and x["peak"] >= x["allocated"]
         assert x["reserved"] is None and x["fragmented"] is None and x["rss"] > 0
     assert steps[0]["samples_per_s"] is None and steps[-1]["samples_per_s"] > 0
@@ -108,8 +136,10 @@ def test_a_metrics_file_on_a_full_disk_says_so_once_and_training_goes_on(hub, ca
     result = gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
     metrics.close()  # what `gputui run` does at exit: nothing left to flush, nothing raised
     assert result.steps == 3
-    assert capsys.readouterr().err == \
-        "gputui: metrics file /dev/full: No space left on device; no more lines will be written\n"
+    assert (
+        capsys.readouterr().err
+        == "gputui: metrics file /dev/full: No space left on device; no more lines will be written\n"
+    )
     [event] = failures(hub)
     assert (event["sink"], event["path"], event["error"]) == ("metrics", "/dev/full", "No space left on device")
     assert describe(event) == "metrics file /dev/full: No space left on device; no more lines will be written"

@@ -36,8 +36,13 @@ def test_whole_batch_when_size_covers_it():
 
 
 def test_nested_containers_and_carried_leaves():
-    batch = {"pair": Pair(torch.arange(5), torch.arange(5) * 2), "ids": [torch.ones(5, 3), "tag"],
-             "scale": torch.tensor(2.0), "classes": torch.arange(3), "meta": {"epoch": 1}}
+    batch = {
+        "pair": Pair(torch.arange(5), torch.arange(5) * 2),
+        "ids": [torch.ones(5, 3), "tag"],
+        "scale": torch.tensor(2.0),
+        "classes": torch.arange(3),
+        "meta": {"epoch": 1},
+    }
     parts = split(batch, 2)
     assert len(parts) == 3
     assert [p["pair"].x.tolist() for p in parts] == [[0, 1], [2, 3], [4]]

@@ -92,8 +92,13 @@ class FakeNvml:
     NVML_TEMPERATURE_GPU = 0
     NVML_VALUE_NOT_AVAILABLE_ulonglong = ctypes.c_ulonglong(-1)
 
-    def __init__(self, *gpus: Gpu, init_error: BaseException | None = None, driver: str = "550.54.15",
-                 fails: dict[str, BaseException] | None = None) -> None:
+    def __init__(
+        self,
+        *gpus: Gpu,
+        init_error: BaseException | None = None,
+        driver: str = "550.54.15",
+        fails: dict[str, BaseException] | None = None,
+    ) -> None:
         self.gpus = list(gpus)
         self.init_error = init_error
         self.driver = driver
@@ -183,8 +188,10 @@ class FakeNvml:
 
 
 def _processes(entries):
-    return [SimpleNamespace(pid=pid, usedGpuMemory=memory, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
-            for pid, memory in entries]
+    return [
+        SimpleNamespace(pid=pid, usedGpuMemory=memory, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+        for pid, memory in entries
+    ]
 
 
 def two_gpus(**second) -> FakeNvml:
@@ -224,8 +231,17 @@ def test_two_healthy_gpus_with_their_processes(hidden_pids):
     me = os.getpid()
     gone = 4_000_001
     hidden_pids[gone] = psutil.NoSuchProcess(gone)
-    nvml = two_gpus(name=b"NVIDIA A100-SXM4-40GB", utilization=3, used=1 * GiB, total=40 * GiB, temperature=31,
-                    power_mw=61_500, limit_mw=400_000, compute=[(me, 512 * 1024**2)], graphics=[(me, 1), (gone, 7)])
+    nvml = two_gpus(
+        name=b"NVIDIA A100-SXM4-40GB",
+        utilization=3,
+        used=1 * GiB,
+        total=40 * GiB,
+        temperature=31,
+        power_mw=61_500,
+        limit_mw=400_000,
+        compute=[(me, 512 * 1024**2)],
+        graphics=[(me, 1), (gone, 7)],
+    )
     nvml.gpus[0].compute = [(me, 38 * GiB)]
 
     reading = probe.read_gpus(nvml)
@@ -236,7 +252,12 @@ def test_two_healthy_gpus_with_their_processes(hidden_pids):
     assert (first.utilization, first.memory_used, first.memory_total) == (87, 40 * GiB, 80 * GiB)
     assert (first.temperature, first.power, first.power_limit, first.error) == (45, 312.0, 700.0, None)
     assert (second.name, second.utilization, second.temperature, second.power, second.power_limit) == (
-        "NVIDIA A100-SXM4-40GB", 3, 31, 61.5, 400.0)
+        "NVIDIA A100-SXM4-40GB",
+        3,
+        31,
+        61.5,
+        400.0,
+    )
     me_user = psutil.Process(me).username()
     (mine,) = first.processes
     assert (mine.pid, mine.gpu_memory, mine.kind, mine.user) == (me, 38 * GiB, "compute", me_user)
@@ -244,7 +265,9 @@ def test_two_healthy_gpus_with_their_processes(hidden_pids):
     assert len(mine.command) <= probe.COMMAND_WIDTH
     # compute and graphics: listed once, as compute; a PID gone from the host keeps its pid only
     assert [(p.pid, p.kind, p.gpu_memory) for p in second.processes] == [
-        (me, "compute", 512 * 1024**2), (gone, "graphics", 7)]
+        (me, "compute", 512 * 1024**2),
+        (gone, "graphics", 7),
+    ]
     assert (second.processes[1].user, second.processes[1].command) == (None, None)
     assert nvml.calls["nvmlInit"] == 1
 
@@ -259,19 +282,26 @@ def test_a_pid_psutil_may_not_see_keeps_its_pid(hidden_pids):
 
 
 def test_refused_figures_are_none_and_the_rest_is_read():
-    nvml = two_gpus(fails={
-        "nvmlDeviceGetPowerUsage": NVMLError_NotSupported(),
-        "nvmlDeviceGetEnforcedPowerLimit": NVMLError_NoPermission(),
-        "nvmlDeviceGetTemperature": NVMLError_NotSupported(),
-        "nvmlDeviceGetUtilizationRates": NVMLError_NotSupported(),
-        "nvmlDeviceGetComputeRunningProcesses": NVMLError_NotSupported(),
-    }, graphics=[(os.getpid(), GiB)])
+    nvml = two_gpus(
+        fails={
+            "nvmlDeviceGetPowerUsage": NVMLError_NotSupported(),
+            "nvmlDeviceGetEnforcedPowerLimit": NVMLError_NoPermission(),
+            "nvmlDeviceGetTemperature": NVMLError_NotSupported(),
+            "nvmlDeviceGetUtilizationRates": NVMLError_NotSupported(),
+            "nvmlDeviceGetComputeRunningProcesses": NVMLError_NotSupported(),
+        },
+        graphics=[(os.getpid(), GiB)],
+    )
 
     first, second = probe.read_gpus(nvml).devices
 
     assert (second.power, second.power_limit, second.temperature, second.utilization) == (None, None, None, None)
     assert (second.name, second.memory_used, second.memory_total, second.error) == (
-        "NVIDIA H100 80GB HBM3", 40 * GiB, 80 * GiB, None)
+        "NVIDIA H100 80GB HBM3",
+        40 * GiB,
+        80 * GiB,
+        None,
+    )
     assert [(p.kind, p.gpu_memory) for p in second.processes] == [("graphics", GiB)]
     assert (first.power, first.temperature, first.utilization) == (312.0, 45, 87)
 
@@ -287,8 +317,12 @@ def test_hidden_process_memory_is_none(hidden):
 
 def test_drivers_without_v3_process_calls_fall_back_to_v2():
     mismatch = NVMLLibraryMismatchError("Unversioned function called ...")
-    nvml = FakeNvml(Gpu(compute=[(os.getpid(), GiB)], fails={"nvmlDeviceGetComputeRunningProcesses": mismatch,
-                                                             "nvmlDeviceGetGraphicsRunningProcesses": mismatch}))
+    nvml = FakeNvml(
+        Gpu(
+            compute=[(os.getpid(), GiB)],
+            fails={"nvmlDeviceGetComputeRunningProcesses": mismatch, "nvmlDeviceGetGraphicsRunningProcesses": mismatch},
+        )
+    )
 
     device = probe.read_gpus(nvml).devices[0]
 
@@ -296,11 +330,14 @@ def test_drivers_without_v3_process_calls_fall_back_to_v2():
     assert nvml.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
 
 
-@pytest.mark.parametrize("function, error", [
-    ("nvmlDeviceGetHandleByIndex", NVMLError_Unknown()),
-    ("nvmlDeviceGetMemoryInfo", NVMLError_GpuIsLost()),
-    ("nvmlDeviceGetName", RuntimeError("binding bug")),
-])
+@pytest.mark.parametrize(
+    "function, error",
+    [
+        ("nvmlDeviceGetHandleByIndex", NVMLError_Unknown()),
+        ("nvmlDeviceGetMemoryInfo", NVMLError_GpuIsLost()),
+        ("nvmlDeviceGetName", RuntimeError("binding bug")),
+    ],
+)
 def test_one_failing_gpu_has_an_error_and_the_other_is_complete(function, error):
     nvml = FakeNvml(Gpu(fails={function: error}), Gpu(uuid="GPU-bbbb", compute=[(os.getpid(), GiB)]))
 
@@ -322,12 +359,18 @@ def test_a_driver_version_nvml_refuses_is_none():
     assert reading.driver is None and reading.status is None and len(reading.devices) == 1
 
 
-@pytest.mark.parametrize("error, expected", [
-    (NVMLError_LibraryNotFound(), "no NVIDIA driver found: libnvidia-ml.so.1 is missing (nvidia-smi would fail too; "
-                                  "a container needs --gpus)"),
-    (NVMLError_DriverNotLoaded(), "no NVIDIA driver is loaded (nvidia-smi would fail too)"),
-    (NVMLError_Unknown(), "NVML failed to start: Unknown Error (does nvidia-smi work?)"),
-])
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (
+            NVMLError_LibraryNotFound(),
+            "no NVIDIA driver found: libnvidia-ml.so.1 is missing (nvidia-smi would fail too; "
+            "a container needs --gpus)",
+        ),
+        (NVMLError_DriverNotLoaded(), "no NVIDIA driver is loaded (nvidia-smi would fail too)"),
+        (NVMLError_Unknown(), "NVML failed to start: Unknown Error (does nvidia-smi work?)"),
+    ],
+)
 def test_nvml_that_cannot_start_gives_a_status_line(error, expected):
     nvml = FakeNvml(Gpu(), init_error=error)
 
@@ -380,7 +423,8 @@ def test_a_reading_round_trips_through_json(hidden_pids):
     assert data["devices"][0]["error"] == "NVML could not read this GPU: GPU is lost"
     assert data["devices"][1]["power"] is None and data["devices"][1]["memory_total"] == 80 * GiB
     assert data["devices"][1]["processes"] == [
-        {"pid": 4_000_003, "gpu_memory": None, "kind": "compute", "user": None, "command": None}]
+        {"pid": 4_000_003, "gpu_memory": None, "kind": "compute", "user": None, "command": None}
+    ]
 
 
 def test_process_gpu_memory_reads_one_pid_on_one_gpu():
@@ -397,6 +441,7 @@ def test_process_gpu_memory_reads_one_pid_on_one_gpu():
 
 
 # CUDA -> NVML index ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def cuda_env(monkeypatch):
@@ -447,10 +492,21 @@ def test_a_mig_instance_maps_to_its_parent_gpu(cuda_env):
     assert probe.cuda_to_nvml_index(0, nvml, cuda_uuid=mig.removeprefix("MIG-")) == 1
 
 
-@pytest.mark.parametrize("visible, cuda_index", [
-    ("garbage", 0), ("", 0), ("-1", 0), ("7", 0), ("GPU-", 0), ("GPU-ffff", 0), ("0,garbage,1", 1),
-    ("0,garbage,1", 2), ("0,1", -1), ("MIG-unknown", 0),
-])
+@pytest.mark.parametrize(
+    "visible, cuda_index",
+    [
+        ("garbage", 0),
+        ("", 0),
+        ("-1", 0),
+        ("7", 0),
+        ("GPU-", 0),
+        ("GPU-ffff", 0),
+        ("0,garbage,1", 1),
+        ("0,garbage,1", 2),
+        ("0,1", -1),
+        ("MIG-unknown", 0),
+    ],
+)
 def test_garbage_visible_devices_give_none(cuda_env, visible, cuda_index):
     cuda_env(CUDA_VISIBLE_DEVICES=visible)
 
@@ -468,6 +524,7 @@ def test_mapping_without_nvml_is_none(cuda_env):
 
 
 # The poller ------------------------------------------------------------------------------------
+
 
 def wait_for(condition, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
@@ -519,6 +576,7 @@ def test_the_poller_never_raises_into_its_thread(monkeypatch):
 
 # gputui watch --once -------------------------------------------------------------------------
 
+
 def run_once(monkeypatch, nvml, as_json):
     monkeypatch.setattr(watch, "read_gpus", lambda: probe.read_gpus(nvml))
     out, err = io.StringIO(), io.StringIO()
@@ -527,8 +585,13 @@ def run_once(monkeypatch, nvml, as_json):
 
 def test_watch_once_prints_one_line_per_gpu(monkeypatch, hidden_pids):
     hidden_pids[4_000_006] = psutil.NoSuchProcess(4_000_006)
-    nvml = two_gpus(compute=[(4_000_006, None)], fails={"nvmlDeviceGetPowerUsage": NVMLError_NotSupported(),
-                                                        "nvmlDeviceGetTemperature": NVMLError_NotSupported()})
+    nvml = two_gpus(
+        compute=[(4_000_006, None)],
+        fails={
+            "nvmlDeviceGetPowerUsage": NVMLError_NotSupported(),
+            "nvmlDeviceGetTemperature": NVMLError_NotSupported(),
+        },
+    )
     nvml.gpus[0].compute = [(os.getpid(), 38 * GiB)]
 
     code, out, err = run_once(monkeypatch, nvml, as_json=False)
@@ -536,8 +599,10 @@ def test_watch_once_prints_one_line_per_gpu(monkeypatch, hidden_pids):
     header, first, second = out.splitlines()
     user = psutil.Process().username()
     assert code == 0 and err == "" and header.endswith("driver 550.54.15")
-    assert first == (f"[0] NVIDIA H100 80GB HBM3 | 45°C | 87 % | 312 W / 700 W | 40.0 GiB / 80.0 GiB | "
-                     f"{user}/{os.getpid()}(38.0 GiB)")
+    assert first == (
+        f"[0] NVIDIA H100 80GB HBM3 | 45°C | 87 % | 312 W / 700 W | 40.0 GiB / 80.0 GiB | "
+        f"{user}/{os.getpid()}(38.0 GiB)"
+    )
     assert second == "[1] NVIDIA H100 80GB HBM3 | n/a | 87 % | n/a / 700 W | 40.0 GiB / 80.0 GiB | 4000006(n/a)"
 
 

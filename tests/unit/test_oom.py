@@ -6,13 +6,13 @@ import weakref
 
 import pytest
 import torch
+from helpers import ConvNet, assert_same_weights, conv_batches, conv_step, on_event, plain_loop, twins
 from torch import nn
 from torch.nn import functional as F
 
 import gputui
 from gputui.engine.loop import MAX_RETRIES
 from gputui.engine.oom import Generators, is_oom
-from helpers import ConvNet, on_event, assert_same_weights, conv_batches, conv_step, plain_loop, twins
 
 
 class FailOn:
@@ -51,20 +51,27 @@ def test_counters_and_scheduler_exact_after_recovery(phase):
     assert result.ooms_recovered == 2 and result.micro_batch == 2
     assert step.sizes[:6] == [8, 8, 8, 4, 4, 2]
     recovered = [e for e in result.events if e.name == "oom_recovered"]
-    assert [(e.step, e["phase"], e["micro_batch"], e["micro_batch_to"]) for e in recovered] == \
-        [(2, phase, 8, 4), (2, phase, 4, 2)]
+    assert [(e.step, e["phase"], e["micro_batch"], e["micro_batch_to"]) for e in recovered] == [
+        (2, phase, 8, 4),
+        (2, phase, 4, 2),
+    ]
     assert "CUDA out of memory" in recovered[0]["message"]
     assert_same_weights(model, ref)
 
 
 def test_runtime_errors_that_mean_oom_are_recovered_others_are_not():
-    for text in ("CUDA error: out of memory", "MPS backend out of memory (MPS allocated: 1 GB)",
-                 "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory"):
+    for text in (
+        "CUDA error: out of memory",
+        "MPS backend out of memory (MPS allocated: 1 GB)",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+        "DefaultCPUAllocator: can't allocate memory",
+    ):
         assert is_oom(RuntimeError(text))
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     model = ConvNet()
-    result = gputui.fit(model, conv_batches(2, 4), FailOn({1}, exc=lambda: RuntimeError("CUDA error: out of memory")),
-                        sgd(model))
+    result = gputui.fit(
+        model, conv_batches(2, 4), FailOn({1}, exc=lambda: RuntimeError("CUDA error: out of memory")), sgd(model)
+    )
     assert result.ooms_recovered == 1
     with pytest.raises(ValueError, match="not memory"):
         gputui.fit(model, conv_batches(2, 4), FailOn({1}, exc=lambda: ValueError("not memory")), sgd(model))

@@ -16,25 +16,32 @@ def line(**record):
 def test_valid_client_messages():
     assert parse_client(line(kind="hello", control=True)) == {"kind": "hello", "control": True}
     assert parse_client(line(kind="hello")) == {"kind": "hello", "control": False}
-    assert parse_client(line(kind="control", id=3, action="set_amp", value="bf16")) == \
-        {"kind": "control", "id": 3, "action": "set_amp", "value": "bf16"}
+    assert parse_client(line(kind="control", id=3, action="set_amp", value="bf16")) == {
+        "kind": "control",
+        "id": 3,
+        "action": "set_amp",
+        "value": "bf16",
+    }
 
 
-@pytest.mark.parametrize("raw, reason", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "a JSON object"),
-    (line(kind="hello", v=2), "unsupported protocol version 2"),
-    (json.dumps({"kind": "hello"}).encode(), "unsupported protocol version None"),
-    (line(kind=7), "string 'kind'"),
-    (line(kind="shutdown"), "unknown kind 'shutdown'"),
-    (line(kind="hello", control="yes"), "'control' must be true or false"),
-    (line(kind="control", id=-1, action="pause"), "'id' must be a non-negative integer"),
-    (line(kind="control", id=True, action="pause"), "'id' must be a non-negative integer"),
-    (line(kind="control", id=1, action="__import__('os').system('rm -rf /')"), "unknown action"),
-    (line(kind="control", id=1, action="set_amp", value={"$": 1}), "'value' must be"),
-    (b"{" + b" " * MAX_CLIENT_LINE + b"}", "exceeds the 4096-byte limit"),
-    (b"\xff\xfe", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "a JSON object"),
+        (line(kind="hello", v=2), "unsupported protocol version 2"),
+        (json.dumps({"kind": "hello"}).encode(), "unsupported protocol version None"),
+        (line(kind=7), "string 'kind'"),
+        (line(kind="shutdown"), "unknown kind 'shutdown'"),
+        (line(kind="hello", control="yes"), "'control' must be true or false"),
+        (line(kind="control", id=-1, action="pause"), "'id' must be a non-negative integer"),
+        (line(kind="control", id=True, action="pause"), "'id' must be a non-negative integer"),
+        (line(kind="control", id=1, action="__import__('os').system('rm -rf /')"), "unknown action"),
+        (line(kind="control", id=1, action="set_amp", value={"$": 1}), "'value' must be"),
+        (b"{" + b" " * MAX_CLIENT_LINE + b"}", "exceeds the 4096-byte limit"),
+        (b"\xff\xfe", "not JSON"),
+    ],
+)
 def test_invalid_client_messages_say_why(raw, reason):
     with pytest.raises(ProtocolError, match=reason.replace("(", r"\(").replace(")", r"\)").replace("$", r"\$")):
         parse_client(raw)
@@ -49,13 +56,17 @@ def test_fuzz_bytes_only_protocol_errors(raw):
         pass
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.dictionaries(st.sampled_from(["v", "kind", "id", "action", "value", "control", "x"]), json_values, max_size=6))
+@given(
+    st.dictionaries(st.sampled_from(["v", "kind", "id", "action", "value", "control", "x"]), json_values, max_size=6)
+)
 def test_fuzz_objects_only_protocol_errors_and_valid_results_are_clean(data):
     try:
         message = parse_client(json.dumps(data).encode())
@@ -88,8 +99,9 @@ def test_server_records_past_the_depth_limit_are_refused():
 
 def test_server_strings_lose_escape_sequences_and_controls_keys_and_nested_values_too():
     escapes = "\x1b[2J\x1b]0;t\x07\x9b31m\r\x00\x7f"
-    raw = json.dumps({"v": 1, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}],
-                      "n": 3}).encode()
+    raw = json.dumps(
+        {"v": 1, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}], "n": 3}
+    ).encode()
     assert parse_server(raw) == {"v": 1, "kind": "hello", "k": ["a", {"": "multi line\ttab"}], "n": 3}
 
 
@@ -100,8 +112,9 @@ def test_a_version_error_quotes_at_most_a_few_characters():
 
 
 def test_server_strings_keep_newlines_only_in_a_report_and_lose_bidi_overrides():
-    raw = json.dumps({"v": 1, "kind": "event", "name": "memory_summary", "text": "line 1\nline 2",
-                      "argv": ["a\nb", "\u202eevil"]}).encode()
+    raw = json.dumps(
+        {"v": 1, "kind": "event", "name": "memory_summary", "text": "line 1\nline 2", "argv": ["a\nb", "\u202eevil"]}
+    ).encode()
     assert parse_server(raw)["text"] == "line 1\nline 2"
     assert parse_server(raw)["argv"] == ["a b", "evil"]
 

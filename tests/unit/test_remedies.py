@@ -1,18 +1,24 @@
 import pytest
 import torch
+from helpers import ConvNet, TokenModel, conv_batches, conv_step, twins
 from torch import nn
 
 import gputui
 from gputui.engine.remedies import Checkpointing, Precision, find_blocks
-from helpers import ConvNet, TokenModel, conv_batches, conv_step, twins
 
 
 def test_find_blocks_prefers_the_heaviest_repeated_container():
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.ModuleDict({
-        "small": nn.ModuleList(nn.Linear(2, 2) for _ in range(5)),
-        "big": nn.ModuleList(nn.Linear(32, 32) for _ in range(3)),
-        "mixed": nn.ModuleList([nn.Linear(64, 64), nn.ReLU()]),
-    }))
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        nn.ReLU(),
+        nn.ModuleDict(
+            {
+                "small": nn.ModuleList(nn.Linear(2, 2) for _ in range(5)),
+                "big": nn.ModuleList(nn.Linear(32, 32) for _ in range(3)),
+                "mixed": nn.ModuleList([nn.Linear(64, 64), nn.ReLU()]),
+            }
+        ),
+    )
     blocks = find_blocks(model)
     assert len(blocks) == 3 and all(b.in_features == 32 for b in blocks)
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
@@ -27,11 +33,11 @@ def test_checkpointing_same_gradients_less_saved_memory():
         switch = Checkpointing(model)
         switch.set(on)
         count = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, count=count: count.append(t.numel()) or t, lambda t: t):
             model(x).sum().backward()
         saved[name] = sum(count)
         switch.remove()
-    for p, q in zip(a.parameters(), b.parameters()):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
     assert saved["ckpt"] < saved["plain"] / 2
 

@@ -7,11 +7,18 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    ConvNet,
+    assert_same_buffers,
+    assert_same_weights,
+    conv_batches,
+    micro_batches_used,
+    plain_accumulating_loop,
+    twins,
+)
 from torch.nn import functional as F
 
 import gputui
-from helpers import (ConvNet, assert_same_buffers, assert_same_weights, conv_batches, micro_batches_used,
-                     plain_accumulating_loop, twins)
 
 
 def indexed(batches):
@@ -59,8 +66,9 @@ def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-@pytest.mark.parametrize("draw, seed", [(draw_python, random.seed), (draw_numpy, np.random.seed)],
-                         ids=["python", "numpy"])
+@pytest.mark.parametrize(
+    "draw, seed", [(draw_python, random.seed), (draw_numpy, np.random.seed)], ids=["python", "numpy"]
+)
 def test_a_script_drawing_from_step_10_on_replays_the_same_draws(draw, seed):
     """Steps 1-9 never draw, so nothing saw the generator in use before the OOM at step 10."""
     batches = indexed(conv_batches(14, 8))
@@ -83,13 +91,13 @@ def test_batch_norm_statistics_do_not_advance_twice_for_a_replayed_batch():
     """The budget forces OOMs in forward and backward, after BatchNorm layers updated their statistics."""
     batches = conv_batches(6, 16, seed=3)
     ref, model = twins(lambda: ConvNet(channels=16, batch_norm=True))
-    result = gputui.fit(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), sgd(model),
-                        memory_budget="200KiB")
+    result = gputui.fit(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), sgd(model), memory_budget="200KiB")
     assert result.ooms_recovered >= 2, "the budget must force halvings for this test to mean anything"
     assert {e["phase"] for e in result.events if e.name == "oom_recovered"} == {"forward", "backward"}
     assert (result.steps, result.samples) == (6, 96)
 
-    plain_accumulating_loop(ref, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), sgd(ref),
-                            micro_batches_used(result, 16))
+    plain_accumulating_loop(
+        ref, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), sgd(ref), micro_batches_used(result, 16)
+    )
     assert_same_weights(model, ref, atol=0, rtol=0)
     assert_same_buffers(model, ref)  # running_mean, running_var, num_batches_tracked

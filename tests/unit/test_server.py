@@ -24,8 +24,19 @@ def runtime_dir(tmp_path, monkeypatch):
 
 
 def sample(step, loss=1.0):
-    return StepSample(t=1.0, step=step, epoch=0, loss=loss, batch_size=8, micro_batch=8, accumulation=1, amp="off",
-                      checkpointing=False, samples_per_s=None, memory=Memory("cpu", allocated=100 + step, peak=200))
+    return StepSample(
+        t=1.0,
+        step=step,
+        epoch=0,
+        loss=loss,
+        batch_size=8,
+        micro_batch=8,
+        accumulation=1,
+        amp="off",
+        checkpointing=False,
+        samples_per_s=None,
+        memory=Memory("cpu", allocated=100 + step, peak=200),
+    )
 
 
 def until(condition, timeout=5.0, what=lambda: None):
@@ -77,8 +88,12 @@ def test_watch_only_cannot_steer_but_control_can(served):
         watcher.welcome()
         ident = watcher.request("halve_batch")
         reply = watcher.read()
-        assert reply == {"v": 1, "kind": "error", "id": ident,
-                         "reason": "watch-only connection: attach with --control to steer"}
+        assert reply == {
+            "v": 1,
+            "kind": "error",
+            "id": ident,
+            "reason": "watch-only connection: attach with --control to steer",
+        }
     assert len(hub.controls) == 0
     with Connection(server.path, control=True) as steer:
         steer.welcome()
@@ -241,8 +256,9 @@ def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, 
     seen = []
     with Connection(server.path) as good:
         good.welcome()
-        reader = threading.Thread(target=lambda: seen.extend(r["step"] for r in iter(good.read, None)
-                                                             if r["kind"] == "step"), daemon=True)
+        reader = threading.Thread(
+            target=lambda: seen.extend(r["step"] for r in iter(good.read, None) if r["kind"] == "step"), daemon=True
+        )
         reader.start()
         early = stuck()
         until(lambda: server.clients == 2)
@@ -301,9 +317,11 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
     listener.bind(path)
     listener.listen(4)
     hello = b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
-    bad = b'{"v": 1, "kind": "step", "t": 1.0, "step": "x", "epoch": 0, "loss": 1.0, "batch_size": 8, ' \
-          b'"micro_batch": 8, "accumulation": 1, "amp": "off", "checkpointing": false, "samples_per_s": null, ' \
-          b'"memory": {"device": "cpu"}}\n'
+    bad = (
+        b'{"v": 1, "kind": "step", "t": 1.0, "step": "x", "epoch": 0, "loss": 1.0, "batch_size": 8, '
+        b'"micro_batch": 8, "accumulation": 1, "amp": "off", "checkpointing": false, "samples_per_s": null, '
+        b'"memory": {"device": "cpu"}}\n'
+    )
 
     def serve():
         listener.settimeout(10)
