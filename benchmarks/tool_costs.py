@@ -112,6 +112,7 @@ def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str
     import psutil
 
     from gputui.telemetry.hub import Hub
+    from gputui.telemetry.run import RunInfo
     from gputui.telemetry.server import TelemetryServer
 
     hub = Hub()
@@ -128,7 +129,7 @@ def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str
     ]
     try:
         harness.wait_until(lambda: server.clients == clients, 30)
-        hub.start({"pid": os.getpid(), "argv": ["bench"], "device": "cpu", "device_name": "CPU"})
+        hub.start(RunInfo(pid=os.getpid(), argv=("bench",), device="cpu", device_name="CPU"))
         thread = next(t for t in psutil.Process().threads() if t.id == server._thread.native_id)
         cpu0 = thread.user_time + thread.system_time
         times, period, next_t = [], 1 / PUBLISH_HZ, time.perf_counter()

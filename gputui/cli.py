@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from collections.abc import Sequence
@@ -142,10 +143,8 @@ def _jobs(options: argparse.Namespace) -> int:
 
 def _run(options: argparse.Namespace) -> int:
     from .launch import ScriptNotFound, check_script, run_script, survive_hangup
-    from .telemetry import hub as hubs
-    from .telemetry.jsonl import MetricsFile
-    from .telemetry.progress import ProgressLine
-    from .telemetry.server import serve
+    from .telemetry.hub import Overrides
+    from .telemetry.setup import opened
 
     try:
         check_script(options.script)
@@ -158,46 +157,34 @@ def _run(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    hub = hubs.Hub(
-        hubs.Overrides(
-            memory_budget=options.memory_budget,
-            gpu_memory_limit=options.gpu_memory_limit,
-            memory_history=options.memory_history,
-            snapshot_dir=options.snapshot_dir,
-            metrics=options.metrics,
-        )
+    overrides = Overrides(
+        memory_budget=options.memory_budget,
+        gpu_memory_limit=options.gpu_memory_limit,
+        memory_history=options.memory_history,
+        snapshot_dir=options.snapshot_dir,
+        metrics=options.metrics,
     )
-    metrics = None
-    if options.metrics:
+    with contextlib.ExitStack() as telemetry:
         try:
-            metrics = MetricsFile(options.metrics)
-        except ValueError as exc:
+            hub = telemetry.enter_context(opened(overrides, progress=sys.stdout if options.headless else None))
+        except ValueError as exc:  # the metrics file cannot be written
             print(f"gputui: error: {exc}", file=sys.stderr)
             return 2
-        hub.add_sink(metrics)
-    hubs.install(hub)
-    server = serve(hub)
-    try:
-        if options.headless:
-            survive_hangup()
-            # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
-            # the TUI and in fit; else a save would replay a second one into the ignore and go on.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            hub.add_sink(ProgressLine(sys.stdout))
-            return run_script(options.script, options.args, observe=hub)
-        from .tui.runner import run_tui
+        try:
+            if options.headless:
+                survive_hangup()
+                # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
+                # the TUI and in fit; else a save would replay a second one into the ignore and go on.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                return run_script(options.script, options.args, observe=hub)
+            from .tui.runner import run_tui
 
-        return run_tui(hub, options.script, options.args, options.refresh)
-    finally:
-        # The run is over: a Ctrl-C or SIGTERM now (a second one, while the server closes) would
-        # only interrupt the cleanup, leaving a stale socket and printing our own traceback.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        if server is not None:
-            server.close()
-        hubs.install(None)
-        if metrics is not None:
-            metrics.close()
+            return run_tui(hub, options.script, options.args, options.refresh)
+        finally:
+            # The run is over: a Ctrl-C or SIGTERM now (a second one, while the telemetry closes)
+            # would only interrupt the cleanup, leaving a stale socket and printing our own traceback.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _watch(options: argparse.Namespace) -> int:

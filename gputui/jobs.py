@@ -28,7 +28,9 @@ from .telemetry.paths import (
     socket_path,
 )
 from .telemetry.protocol import ProtocolError
+from .telemetry.run import RunSummary
 from .telemetry.sample import Event
+from .units import format_duration
 
 ACK_WAIT = 5.0
 """Seconds a job may take to acknowledge a control request."""
@@ -107,13 +109,6 @@ def connect(job: Job, *, control: bool = False, timeout: float = 5.0) -> Connect
         raise JobError(f"cannot connect to {job.path}: {exc.strerror or exc}") from None
 
 
-def _uptime(seconds: float) -> str:
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    h, rest = divmod(rest, 3600)
-    return (f"{days}d" if days else "") + f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
-
-
 def row(job: Job) -> dict[str, Any]:
     """One job as `gputui jobs` shows it (reading its welcome, at most two seconds)."""
     try:
@@ -136,25 +131,19 @@ def row(job: Job) -> dict[str, Any]:
 def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     hello = welcome.hello or {}
     info = welcome.info
-    argv = info.get("argv") or hello.get("argv") or ["?"]
+    argv = list(info.argv if info else ()) or hello.get("argv") or ["?"]
     latest = welcome.latest or {}
     summary = hello.get("summary")
-    state = (
-        ("failed" if summary.get("error") else "stopped" if summary.get("stopped") else "finished")
-        if summary
-        else "training"
-        if info
-        else "starting"
-    )
-    data = {
+    state = RunSummary.from_json(summary).outcome if summary else "training" if info else "starting"
+    data: dict[str, Any] = {
         "pid": job.pid,
         "script": os.path.basename(argv[0]),
         "args": argv[1:],
-        "device": info.get("device"),
-        "device_name": info.get("device_name"),
+        "device": info.device if info else None,
+        "device_name": info.device_name if info else None,
         "state": state,
         "step": latest.get("step"),
-        "total_steps": info.get("total_steps"),
+        "total_steps": info.total_steps if info else None,
         "loss": latest.get("loss"),
         "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1),
         "socket": job.path,
@@ -164,7 +153,7 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     )
     data["summary"] = (
         f"{job.pid:>7}  {data['script'][:40]:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
-        f"{step:>11}  {_uptime(data['uptime_s']):>9}  {job.path}"
+        f"{step:>11}  {format_duration(data['uptime_s']):>9}  {job.path}"
     )
     return data
 

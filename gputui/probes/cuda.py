@@ -103,16 +103,16 @@ class CudaProbe:
 
 
 class NvmlView:
-    """What NVML says of this process and its device, from the poller's latest reading (no NVML
-    call on the training thread: the poller thread makes them)."""
+    """What NVML says of this process and its device, from the latest reading the hub carries (no
+    NVML call on the training thread: the poller thread makes them, probes.nvml.feed)."""
 
-    def __init__(self, poller: Any, nvml_index: int, pid: int) -> None:
-        self.poller, self.index, self.pid = poller, nvml_index, pid
+    def __init__(self, hub: Any, nvml_index: int, pid: int) -> None:
+        self.hub, self.index, self.pid = hub, nvml_index, pid
 
     def used(self) -> dict[str, int | None]:
         from .nvml import process_gpu_memory
 
-        reading = self.poller.latest()
+        reading = self.hub.gpus
         if reading is None or reading.status is not None:
             return {}
         device = next((d for d in reading.devices if d.index == self.index), None)

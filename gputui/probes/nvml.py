@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from ..telemetry.hub import Hub
 from ..telemetry.sample import GpuDevice, GpuProcess, GpuReading
 
 MIN_INTERVAL = 0.25
@@ -56,9 +57,10 @@ def _module(nvml: Any) -> tuple[Any, str | None]:
     """
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return None, "the NVML Python bindings are missing (pip install nvidia-ml-py)"
+        nvml = pynvml
     with _init_lock:
         if nvml in _initialized:
             return nvml, None
@@ -283,14 +285,18 @@ def _mig_parent(nvml: Any, mig_uuid: str) -> int | None:
 class NvmlPoller:
     """Reads every GPU on a daemon thread, at most once per `interval` seconds.
 
-    The training thread calls `latest()` without a lock: the reading is immutable and replaced
-    by one attribute assignment. When NVML is unavailable the first reading says why and the
+    Readers call `latest()` without a lock (the reading is immutable and replaced by one attribute
+    assignment), or are handed each reading (`on_reading`: `feed()` publishes them into a hub, where
+    training reads them). When NVML is unavailable the first reading says why and the
     thread ends: retrying every second would only repeat it.
     """
 
-    def __init__(self, interval: float = 1.0, *, nvml: Any = None) -> None:
+    def __init__(
+        self, interval: float = 1.0, *, nvml: Any = None, on_reading: Callable[[GpuReading], None] | None = None
+    ) -> None:
         self.interval = max(MIN_INTERVAL, float(interval))
         self._nvml = nvml
+        self._on_reading = on_reading
         self._latest: GpuReading | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -313,7 +319,7 @@ class NvmlPoller:
     def stop(self) -> None:
         self._stopping.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=2.0)  # a hung NVML call must not hold the process's exit
 
     def __enter__(self) -> NvmlPoller:
         return self.start()
@@ -328,6 +334,17 @@ class NvmlPoller:
                 self._latest = read_gpus(self._nvml)
             except Exception as exc:  # read_gpus does not raise; if it ever does, say so and stop
                 self._latest = GpuReading(t=time.time(), status=f"reading the GPUs failed: {_describe(exc)}")
+            if self._on_reading is not None:
+                self._on_reading(self._latest)
             if self._latest.status is not None:
                 return
             self._stopping.wait(self.interval - (time.monotonic() - started))
+
+
+def feed(hub: Hub) -> None:
+    """Poll every GPU into `hub` from now until its telemetry closes (once per hub): the readings
+    travel through the hub, where the panels, the socket and the training probe read them."""
+    if hub.feeds_gpus:
+        return
+    hub.feeds_gpus = True
+    hub.on_close(NvmlPoller(on_reading=hub.publish_gpus).start().stop)

@@ -25,6 +25,7 @@ from .describe import describe
 from .hub import Hub
 from .paths import ForeignPeer, check_peer, pid_alive
 from .protocol import MAX_SERVER_LINE, ProtocolError, encode, parse_server
+from .run import NUMBER, RunInfo, RunSummary
 from .sample import Event, GpuReading, StepSample
 
 CONNECT_WAIT = 5.0
@@ -155,57 +156,18 @@ class Welcome:
             self.gpus = record
 
     @property
-    def info(self) -> dict[str, Any]:
-        return (self.hello or {}).get("info") or {}
+    def info(self) -> RunInfo | None:
+        info = (self.hello or {}).get("info")
+        return RunInfo.from_json(info) if info else None
 
 
 # What the clients read, by record kind: field -> accepted types (None is always accepted, and
 # a field not named here passes as it is). The TUI formats these fields; a wrong type would
 # raise there, far from the socket.
-_NUMBER = (int, float)
-_INFO = {
-    "argv": list,
-    "pid": int,
-    "started": _NUMBER,
-    "device": str,
-    "device_name": str,
-    "model": str,
-    "params": int,
-    "trainable": int,
-    "optimizer": str,
-    "epochs": _NUMBER,
-    "max_steps": int,
-    "steps_per_epoch": int,
-    "total_steps": int,
-    "micro_batch": int,
-    "amp": str,
-    "checkpointing": bool,
-    "checkpointing_unavailable": str,
-    "checkpointing_how": str,
-    "auto_recover": bool,
-    "memory_budget": _NUMBER,
-    "mode": str,
-    "needs_fit": str,
-    "batch_norm": int,
-    "min_micro_batch": int,
-}
-_SUMMARY = {
-    "steps": int,
-    "epochs": _NUMBER,
-    "samples": int,
-    "micro_batch": int,
-    "loss": _NUMBER,
-    "stopped": str,
-    "amp": str,
-    "checkpointing": bool,
-    "ooms_recovered": int,
-    "elapsed_s": _NUMBER,
-    "error": str,
-}
 _MEMORY = {
     "device": str,
     **{
-        name: _NUMBER
+        name: NUMBER
         for name in (
             "allocated",
             "reserved",
@@ -228,45 +190,45 @@ _MEMORY = {
         )
     },
 }
-_HOST = dict.fromkeys(("rss", "cpu_percent", "system_used", "system_total"), _NUMBER)
+_HOST = dict.fromkeys(("rss", "cpu_percent", "system_used", "system_total"), NUMBER)
 _STEP = {
-    "t": _NUMBER,
+    "t": NUMBER,
     "step": int,
     "epoch": int,
-    "loss": _NUMBER,
+    "loss": NUMBER,
     "batch_size": int,
     "micro_batch": int,
     "accumulation": int,
     "amp": str,
     "checkpointing": bool,
     "device": str,
-    "samples_per_s": _NUMBER,
+    "samples_per_s": NUMBER,
     "samples": int,
-    "steps_per_s": _NUMBER,
+    "steps_per_s": NUMBER,
     "loss_source": str,
     "memory": dict,
     "host": dict,
-    **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), _NUMBER),
+    **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), NUMBER),
 }
 _DEVICE = {
     "index": int,
     "uuid": str,
     "name": str,
-    "utilization": _NUMBER,
-    "memory_used": _NUMBER,
-    "memory_total": _NUMBER,
-    "temperature": _NUMBER,
-    "power": _NUMBER,
-    "power_limit": _NUMBER,
+    "utilization": NUMBER,
+    "memory_used": NUMBER,
+    "memory_total": NUMBER,
+    "temperature": NUMBER,
+    "power": NUMBER,
+    "power_limit": NUMBER,
     "processes": list,
     "error": str,
 }
-_PROCESS = {"pid": int, "gpu_memory": _NUMBER, "kind": str, "user": str, "command": str}
+_PROCESS = {"pid": int, "gpu_memory": NUMBER, "kind": str, "user": str, "command": str}
 _KINDS: dict[str, dict[str, Any]] = {
     "hello": {
         "pid": int,
         "argv": list,
-        "server_started": _NUMBER,
+        "server_started": NUMBER,
         "runs": int,
         "info": dict,
         "summary": dict,
@@ -275,9 +237,9 @@ _KINDS: dict[str, dict[str, Any]] = {
     "start": {"runs": int, "info": dict},
     "end": {"summary": dict},
     "step": _STEP,
-    "event": {"name": str, "step": int, "t": _NUMBER},
+    "event": {"name": str, "step": int, "t": NUMBER},
     "history": {"series": dict},
-    "gpus": {"t": _NUMBER, "driver": str, "status": str, "devices": list},
+    "gpus": {"t": NUMBER, "driver": str, "status": str, "devices": list},
     "ack": {"id": int, "request_id": int, "hello": bool, "control": bool},
     "error": {"id": int, "reason": str},
 }
@@ -296,12 +258,17 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
     """`record` if the fields the clients read have their types; ProtocolError saying which does not."""
     kind = record["kind"]
     _fields(record, _KINDS.get(kind, {}), f"a {kind} record")
-    for name, types in (("info", _INFO), ("summary", _SUMMARY), ("memory", _MEMORY), ("host", _HOST)):
+    for name, types in (("memory", _MEMORY), ("host", _HOST)):
         if record.get(name) is not None:
             _fields(record[name], types, f"a {kind} record's {name}")
-    for argv in (record.get("argv"), (record.get("info") or {}).get("argv")):
-        if not all(isinstance(arg, str) for arg in argv or ()):
-            raise ProtocolError(f"a {kind} record's argv holds a non-string")
+    for name, cls in (("info", RunInfo), ("summary", RunSummary)):
+        if record.get(name) is not None:
+            try:
+                cls.from_json(record[name])
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise ProtocolError(f"a {kind} record's {name}: {exc}") from None
+    if not all(isinstance(arg, str) for arg in record.get("argv") or ()):
+        raise ProtocolError(f"a {kind} record's argv holds a non-string")
     if kind == "event":
         try:
             describe(Event.from_json(record))  # what the timeline, the progress line and ctl print
@@ -311,7 +278,7 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
         for name, series in (record.get("series") or {}).items():
             _fields(series, {"steps": list, "values": list, "stride": int}, f"the history of {name}")
             if not all(isinstance(x, int) for x in series.get("steps") or ()) or not all(
-                x is None or isinstance(x, _NUMBER) for x in series.get("values") or ()
+                x is None or isinstance(x, NUMBER) for x in series.get("values") or ()
             ):
                 raise ProtocolError(f"the history of {name} holds a non-number")
     elif kind == "gpus":
@@ -322,23 +289,12 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-class _Latest:
-    """Stands in for an NvmlPoller on the client side: the job's last GPU reading."""
-
-    def __init__(self) -> None:
-        self.reading: GpuReading | None = None
-
-    def latest(self) -> GpuReading | None:
-        return self.reading
-
-
 class Mirror:
     """A job's telemetry replayed into a local Hub, reconnecting until the job is gone."""
 
     def __init__(self, path: str, pid: int | None, *, control: bool = False, retry: float = 1.0) -> None:
         self.path, self.pid, self.control, self.retry = path, pid, control, retry
         self.hub = Hub()
-        self.hub.gpu_poller = _Latest()
         self.history: dict[str, tuple[list[int], list[float], int]] | None = None
         self.generation = 0  # bumped on every (re)connection: the view starts over from the welcome
         self.status: str | None = "connecting…"
@@ -369,7 +325,7 @@ class Mirror:
         conn = self._conn
         if conn is None:
             raise RuntimeError("not connected to the job")
-        done, answer = threading.Event(), []
+        done, answer = threading.Event(), list[dict[str, Any]]()
         with self._lock:
             ident = conn.request(action, value)
             self._acks[ident] = (done, answer)
@@ -414,21 +370,20 @@ class Mirror:
         summary = self.hub.summary
         if summary is None:
             return "the job is gone without a final record (killed?): the last figures it sent are shown"
-        if summary.get("error"):
-            return f"the job failed: {summary['error']}"
-        return "the job finished" + (f" ({summary['stopped']})" if summary.get("stopped") else "")
+        if summary.error:
+            return f"the job failed: {summary.error}"
+        return "the job finished" + (f" ({summary.stopped})" if summary.stopped else "")
 
     def _receive(self, conn: Connection) -> None:
         hub = Hub()
-        hub.gpu_poller = _Latest()
         history: dict[str, tuple[list[int], list[float], int]] = {}
         while (record := conn.read()) is not None:
             kind = record["kind"]
             if kind == "hello":
                 if record.get("info"):
-                    hub.start(record["info"])
+                    hub.start(RunInfo.from_json(record["info"]))
                 if record.get("summary"):
-                    hub.end(record["summary"])
+                    hub.end(RunSummary.from_json(record["summary"]))
                 hub.runs = int(record.get("runs") or 0)
             elif kind == "history":
                 for name, series in (record.get("series") or {}).items():
@@ -438,16 +393,16 @@ class Mirror:
                 self.generation += 1
                 self.status = None
             elif kind == "start":
-                hub.start(record["info"])
+                hub.start(RunInfo.from_json(record["info"]))
                 hub.runs = int(record.get("runs") or hub.runs)
             elif kind == "step":
                 hub.publish(StepSample.from_json(record))
             elif kind == "event":
                 hub.emit(Event.from_json(record))
             elif kind == "end":
-                hub.end(record["summary"])
+                hub.end(RunSummary.from_json(record["summary"]))
             elif kind == "gpus":
-                hub.gpu_poller.reading = GpuReading.from_json(record)
+                hub.publish_gpus(GpuReading.from_json(record))
             elif kind in ("ack", "error") and "id" in record:
                 with self._lock:
                     waiting = self._acks.pop(record["id"], None)

@@ -36,6 +36,9 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
 # an OOM (auto-recover off), applying one of these retries the batch at once.
 REMEDIES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing", "free_cache"})
 
+BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
+"""Why a model with BatchNorm is never halved below 2: the engine refuses with it, the TUI dims with it."""
+
 _ids = itertools.count(1)
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..units import format_bytes
-from .sample import Event
+from .sample import EVENTS, Event
 
 _ACTIONS = {
     "halve_batch": "halve micro-batch",
@@ -23,9 +23,6 @@ _ACTIONS = {
     "stop": "stop",
 }
 
-BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
-"""Why a model with BatchNorm is never halved below 2: the engine refuses with it, the TUI dims with it."""
-
 
 def _on(flag: Any) -> str:
     return "on" if flag else "off"
@@ -35,12 +32,21 @@ def _cache(e: Event) -> str:
     if "reserved_before" in e.details:
         return (
             f"cache freed: {format_bytes(e['bytes'])} returned "
-            f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e['reserved_after'])})"
+            f"(reserved {format_bytes(e['reserved_before'])} -> {format_bytes(e.get('reserved_after'))})"
         )
-    return (
-        f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e['rss_after'])} "
-        "(CPU: gc + malloc_trim; there is no allocator cache)"
-    )
+    if "rss_before" in e.details:
+        return (
+            f"memory freed: RSS {format_bytes(e['rss_before'])} -> {format_bytes(e.get('rss_after'))} "
+            "(CPU: gc + malloc_trim; there is no allocator cache)"
+        )
+    return f"cache freed: {format_bytes(e['bytes'])} returned"
+
+
+def _oom(e: Event) -> str:
+    if e.get("diagnosis"):  # an own loop's (engine/observe.py): the script stopped there
+        return f"OOM in {e['phase']} at {e.get('where', 'an unknown line')}: the script stopped"
+    at = f" at micro-batch {e['micro_batch']}" if "micro_batch" in e.details else ""
+    return f"OOM in {e['phase']}{at}: " + ("paused, waiting for a remedy" if e.get("waiting") else "not recoverable")
 
 
 def _top(e: Event) -> str:
@@ -57,10 +63,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
         f"retried with {e['micro_batch_to']} x {e['accumulation']}"
     ),
-    "oom": lambda e: (
-        f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
-        + ("paused, waiting for a remedy" if e.get("waiting") else "not recoverable")
-    ),
+    "oom": _oom,
     "micro_batch_changed": lambda e: f"micro-batch {e['from']} -> {e['to']} (accumulation {e['accumulation']})",
     "amp_changed": lambda e: f"AMP {e['from']} -> {e['to']}",
     "checkpointing_changed": lambda e: f"checkpointing {_on(e['enabled'])} ({e['how']})",
@@ -92,10 +95,12 @@ _TEXT: dict[str, Callable[[Event], str]] = {
 
 
 def describe(event: Event) -> str:
-    try:
-        return _TEXT[event.name](event)
-    except KeyError:  # an event from a newer peer, or one missing a detail: still say something
+    """Every event the engine emits has its line, from the details its name promises alone (a test
+    renders each with only those); one from a newer peer, or one without them, is still named."""
+    required = EVENTS.get(event.name)
+    if required is None or not all(key in event.details for key in required):
         return event.name.replace("_", " ")
+    return _TEXT[event.name](event)
 
 
 def diagnosis_text(d: Mapping[str, Any]) -> str:

@@ -11,21 +11,23 @@ from __future__ import annotations
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .controls import Controls
-from .sample import Event, StepSample
+from .run import RunInfo, RunSummary
+from .sample import Event, GpuReading, StepSample
 
 
 class Sink(Protocol):
     """A consumer called on the training thread: it must be quick and must not raise, but for
     SinkFailed once, when it can write no more."""
 
-    def on_start(self, info: dict[str, Any]) -> None: ...
+    def on_start(self, info: RunInfo) -> None: ...
     def on_sample(self, sample: StepSample) -> None: ...
     def on_event(self, event: Event) -> None: ...
-    def on_end(self, summary: dict[str, Any]) -> None: ...
+    def on_end(self, summary: RunSummary) -> None: ...
 
 
 class SinkFailed(Exception):
@@ -39,17 +41,14 @@ class SinkFailed(Exception):
 
 @dataclass(frozen=True)
 class Overrides:
-    """Settings given on the gputui command line; they win over the same fit() arguments."""
+    """Settings given on the gputui command line (None: not given). The RunSession applies them over
+    the script's own (fit's arguments), in fit and in an own loop alike."""
 
     memory_budget: int | None = None
     gpu_memory_limit: int | None = None
     memory_history: bool | None = None
     snapshot_dir: str | None = None
     metrics: str | None = None
-
-    def given(self) -> dict[str, Any]:
-        """The fit() arguments the command line set (None: not given)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 class Hub:
@@ -62,9 +61,11 @@ class Hub:
         self._published = 0  # samples ever published: a reader's cursor counts against it
         self._emitted = 0
         self._sinks: list[Sink] = []
-        self.gpu_poller: Any = None  # an NvmlPoller once someone needs GPU readings: latest() -> GpuReading
-        self.info: dict[str, Any] | None = None
-        self.summary: dict[str, Any] | None = None
+        self.gpus: GpuReading | None = None  # the latest reading of every GPU, once something reads them
+        self.feeds_gpus = False  # whether an NVML poller feeds this hub (probes.nvml.feed): started once
+        self.info: RunInfo | None = None
+        self.summary: RunSummary | None = None
+        self._closers: list[Callable[[], None]] = []
         self.runs = 0
         # "terminated"/"interrupted": a signal asked the run to stop while the script trains in
         # another thread than the handler's (the TUI's). A plain write: a handler takes no lock.
@@ -78,7 +79,7 @@ class Hub:
         with self._lock:
             self._sinks = [s for s in self._sinks if s is not sink]
 
-    def start(self, info: dict[str, Any]) -> None:
+    def start(self, info: RunInfo) -> None:
         with self._lock:
             self.info = info
             self.summary = None
@@ -97,10 +98,23 @@ class Hub:
             self._emitted += 1
         self._call("on_event", event)
 
-    def end(self, summary: dict[str, Any]) -> None:
+    def end(self, summary: RunSummary) -> None:
         with self._lock:
             self.summary = summary
         self._call("on_end", summary)
+
+    def publish_gpus(self, reading: GpuReading) -> None:
+        """The newest reading of every GPU: readers take the latest (one attribute write, no lock),
+        a second of them per reading, not one per step."""
+        self.gpus = reading
+
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Call `closer` when the telemetry closes (a poller thread to stop)."""
+        self._closers.append(closer)
+
+    def close(self) -> None:
+        while self._closers:
+            self._closers.pop()()
 
     def _call(self, method: str, arg: Any) -> None:
         for sink in self._sinks:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from .hub import SinkFailed
+from .run import RunInfo, RunSummary
 from .sample import VERSION, Event, StepSample
 
 
@@ -48,8 +49,8 @@ class MetricsFile:
                 error=exc.strerror or str(exc),
             ) from None
 
-    def on_start(self, info: dict[str, Any]) -> None:
-        self._line({"v": VERSION, "kind": "start", "t": round(time.time(), 6), **info})
+    def on_start(self, info: RunInfo) -> None:
+        self._line({"v": VERSION, "kind": "start", "t": round(time.time(), 6), **info.to_json()})
 
     def on_sample(self, sample: StepSample) -> None:
         self._line(sample.to_json())
@@ -57,8 +58,8 @@ class MetricsFile:
     def on_event(self, event: Event) -> None:
         self._line(event.to_json())
 
-    def on_end(self, summary: dict[str, Any]) -> None:
-        self._line({"v": VERSION, "kind": "end", "t": round(time.time(), 6), **summary})
+    def on_end(self, summary: RunSummary) -> None:
+        self._line({"v": VERSION, "kind": "end", "t": round(time.time(), 6), **summary.to_json()})
 
     def close(self) -> None:
         try:

@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import shutil
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
-from ..units import format_bytes
+from ..units import format_bytes, format_count
 from .describe import describe
 from .hub import SinkFailed
+from .run import RunInfo, RunSummary
 from .sample import Event, StepSample
 
 
-def _count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n:.0f}"
-
-
-def render(sample: StepSample, info: dict[str, Any] | None) -> str:
+def render(sample: StepSample, info: RunInfo | None) -> str:
     """The progress line for one sample."""
-    total = (info or {}).get("total_steps")
-    epochs = (info or {}).get("epochs")
+    total = info.total_steps if info else None
+    epochs = info.epochs if info else None
     step = f"step {sample.step}" + (f"/{total}" if total else "")
     epoch = f"epoch {sample.epoch + 1}" + (f"/{epochs}" if epochs else "")
     loss = "loss n/a" if sample.loss is None else f"loss {sample.loss:.4g}"
@@ -45,7 +39,7 @@ def render(sample: StepSample, info: dict[str, Any] | None) -> str:
         parts.append("ckpt on")
     parts.append(memory)
     if sample.samples_per_s is not None:
-        parts.append(f"{_count(sample.samples_per_s)} samples/s")
+        parts.append(f"{format_count(sample.samples_per_s)} samples/s")
     return " | ".join(parts)
 
 
@@ -55,11 +49,11 @@ class ProgressLine:
     def __init__(self, stream: TextIO | None, *, interval: float | None = None) -> None:
         self.stream = stream
         try:
-            self.tty = stream.isatty()
-        except (AttributeError, ValueError):
+            self.tty = stream is not None and stream.isatty()
+        except (AttributeError, ValueError):  # a stream without isatty, or a closed one
             self.tty = False
         self.interval = interval if interval is not None else (0.1 if self.tty else 2.0)
-        self._info: dict[str, Any] | None = None
+        self._info: RunInfo | None = None
         self._last_draw = 0.0
         self._pending: StepSample | None = None
         self._drawn = False  # a line without a newline is on the terminal
@@ -93,20 +87,20 @@ class ProgressLine:
         self._last_draw = time.monotonic()
         self._pending = None
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self._info = info
         # A script with its own loop prints its own progress: gputui adds nothing to its output.
-        self.quiet = info.get("mode") == "observe"
+        self.quiet = info.observed
         if self.quiet:
             return
         length = []
-        if info.get("epochs"):
-            length.append(f"{info['epochs']} epoch{'s' if info['epochs'] != 1 else ''}")
-        if info.get("total_steps"):
-            length.append(f"{info['total_steps']} steps")
-        budget = f", budget {format_bytes(info['memory_budget'])}" if info.get("memory_budget") else ""
+        if info.epochs:
+            length.append(f"{info.epochs} epoch{'s' if info.epochs != 1 else ''}")
+        if info.total_steps:
+            length.append(f"{info.total_steps} steps")
+        budget = f", budget {format_bytes(info.memory_budget)}" if info.memory_budget else ""
         self._write(
-            f"gputui: training {info['model']} ({_count(info['params'])} params) on {info['device_name']}"
+            f"gputui: training {info.model} ({format_count(info.params)} params) on {info.device_name}"
             f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n"
         )
 
@@ -124,18 +118,18 @@ class ProgressLine:
         self._clear()
         self._write(f"gputui: step {event.step} | {describe(event)}\n")
 
-    def on_end(self, summary: dict[str, Any]) -> None:
+    def on_end(self, summary: RunSummary) -> None:
         if self.quiet:
             return
         if self._pending is not None:
             self._draw(self._pending)
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")
         self._drawn = False
-        loss = "n/a" if summary.get("loss") is None else f"{summary['loss']:.4g}"
-        recovered = f", {summary['ooms_recovered']} OOM(s) recovered" if summary.get("ooms_recovered") else ""
-        how = "stopped" if summary.get("stopped") else "failed" if summary.get("error") else "done"
+        loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"
+        recovered = f", {summary.ooms_recovered} OOM(s) recovered" if summary.ooms_recovered else ""
+        how = "stopped" if summary.stopped else "failed" if summary.error else "done"
         self._write(
-            f"gputui: {how}: {summary['steps']} steps, {summary['samples']} samples in "
-            f"{summary['elapsed_s']:.1f}s; last loss {loss}; micro-batch {summary['micro_batch']}"
+            f"gputui: {how}: {summary.steps} steps, {summary.samples} samples in "
+            f"{summary.elapsed_s:.1f}s; last loss {loss}; micro-batch {summary.micro_batch}"
             f"{recovered}\n"
         )

@@ -271,6 +271,42 @@ class Event:
         return self.details.get(key, default)
 
 
+EVENTS: dict[str, tuple[str, ...]] = {
+    "oom_recovered": ("phase", "micro_batch", "micro_batch_to", "accumulation"),
+    "oom": ("phase", "recovered"),
+    "micro_batch_changed": ("from", "to", "accumulation"),
+    "amp_changed": ("from", "to"),
+    "checkpointing_changed": ("enabled", "how"),
+    "auto_recover_changed": ("enabled",),
+    "cache_freed": ("bytes",),
+    "paused": (),
+    "resumed": (),
+    "stopped": ("reason",),
+    "control_refused": ("action", "reason"),
+    "loss_not_finite": ("loss",),
+    "batch_norm_micro_batched": ("layers", "micro_batch", "batch_size"),
+    "thrashing": ("alloc_retries", "steps", "micro_batch", "micro_batch_to", "accumulation"),
+    "snapshot_saved": ("path", "summary_path", "reason"),
+    "top_tensors": ("rows", "total_bytes", "tensors"),
+    "memory_summary": ("text",),
+    "error": ("message",),
+    "sink_failed": ("message",),
+}
+"""Every event the engine emits, with the details each always carries: the closed set that the
+progress line, the timeline and `gputui ctl` can all describe (telemetry/describe.py)."""
+
+
+def check_event(name: str, details: Mapping[str, Any]) -> None:
+    """ValueError for an event outside the set, or one without a detail its readers need: a bug
+    in the engine, caught where it is made rather than shown as a bare name."""
+    required = EVENTS.get(name)
+    if required is None:
+        raise ValueError(f"unknown event {name!r}")
+    missing = [key for key in required if key not in details]
+    if missing:
+        raise ValueError(f"event {name!r} without {', '.join(missing)}")
+
+
 _STEP_FIELDS = (
     "t",
     "step",

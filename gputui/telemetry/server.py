@@ -27,6 +27,7 @@ from .history import RunSeries
 from .hub import Hub
 from .paths import UnsafeDirectory, find_jobs, peer_uid, private_dir, socket_path
 from .protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client
+from .run import RunInfo, RunSummary
 from .sample import Event, StepSample
 
 MAX_PENDING = 8 * 2**20
@@ -92,7 +93,7 @@ class TelemetryServer:
         self.started = time.time()
 
     # -- the sink: the training thread only appends ---------------------------------------------
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self._queue.append(("start", info))
 
     def on_sample(self, sample: StepSample) -> None:
@@ -108,7 +109,7 @@ class TelemetryServer:
         except (BlockingIOError, OSError):  # a wake-up is pending already, or the server is closing
             pass
 
-    def on_end(self, summary: dict[str, Any]) -> None:
+    def on_end(self, summary: RunSummary) -> None:
         self._queue.append(("end", summary))
 
     # -- lifetime -----------------------------------------------------------------------------------
@@ -332,10 +333,10 @@ class TelemetryServer:
         if kind in ("start", "end"):  # requests left unanswered (a stop has no answer) are over with the run
             self._answered(set(self._waiting))
         if kind == "start":
-            self._info, self._summary, self._last_step = item, None, None
+            self._info, self._summary, self._last_step = item.to_json(), None, None
             self._events.clear()
             self._series.clear()
-            return clean({"kind": "start", "runs": self.hub.runs, "info": item})
+            return clean({"kind": "start", "runs": self.hub.runs, "info": self._info})
         if kind == "step":
             self._series.add(item)
             self._last_step = item
@@ -346,8 +347,8 @@ class TelemetryServer:
             if record.get("request_id") in self._waiting:
                 self._answered({record["request_id"]})
             return record
-        self._summary = item
-        return clean({"kind": "end", "summary": item})
+        self._summary = item.to_json()
+        return clean({"kind": "end", "summary": self._summary})
 
     def _answered(self, ids: set[int]) -> None:
         for peer in self._peers.values():
@@ -355,12 +356,11 @@ class TelemetryServer:
         self._waiting -= ids
 
     def _broadcast_gpus(self) -> None:
-        poller = self.hub.gpu_poller
         now = time.monotonic()
-        if poller is None or now - self._gpus_at < 1.0:
+        if now - self._gpus_at < 1.0:
             return
         self._gpus_at = now
-        reading = poller.latest()
+        reading = self.hub.gpus
         if reading is None or (self._gpus is not None and reading.t == self._gpus.get("t")):
             return
         self._gpus = clean(reading.to_json())

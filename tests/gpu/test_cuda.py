@@ -4,6 +4,7 @@ Run through the device tool when a GPU is lent: `pytest -m gpu tests/gpu`.
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -71,15 +72,18 @@ def test_nvml_sees_this_process_and_the_gap_is_positive():
     index = cuda_to_nvml_index(device.index, cuda_uuid=str(getattr(props, "uuid", "")) or None)
     assert index is not None
     x = torch.empty(512 * MiB, dtype=torch.uint8, device=device)
-    with NvmlPoller(interval=0.25) as poller:
-        import time
+    from gputui.probes.cuda import NvmlView
+    from gputui.telemetry.hub import Hub
 
-        deadline = time.monotonic() + 5
-        while poller.latest() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        from gputui.probes.cuda import NvmlView
+    hub, first = Hub(), threading.Event()
 
-        used = NvmlView(poller, index, os.getpid()).used()
+    def carry(reading):
+        hub.publish_gpus(reading)
+        first.set()
+
+    with NvmlPoller(interval=0.25, on_reading=carry):
+        assert first.wait(5), "no NVML reading in 5 s"
+        used = NvmlView(hub, index, os.getpid()).used()
     assert used["nvml_device_used"] >= 512 * MiB
     if used["nvml_used"] is not None:  # PIDs may be hidden in a container
         assert used["nvml_used"] - torch.cuda.memory_reserved(device) > 0  # the CUDA context at least
@@ -99,3 +103,47 @@ def test_amp_modes_on_gpu_train():
             amp=amp,
         )
         assert result.amp == amp and result.steps == 18
+
+
+def test_gpu_memory_limit_from_the_command_line_reaches_a_fit_script_built_on_the_cpu(tmp_path):
+    """The optimizer is made while the model is still on the CPU (fit moves it): the observer must not
+    refuse the limit there, and fit applies it on the GPU."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent("""
+        import torch
+        from torch import nn
+        import gputui
+        model = nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = [torch.randn(32, 64) for _ in range(3)]
+        gputui.fit(model, data, lambda m, x: m(x).pow(2).mean(), opt, device="cuda")
+        """)
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gputui",
+            "run",
+            "--headless",
+            "--gpu-memory-limit",
+            "1GiB",
+            "--metrics",
+            "m.jsonl",
+            str(script),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GPUTUI_NO_SOCKET": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    steps = [r for r in map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 3 and {s["memory"]["capacity"] for s in steps} == {2**30}

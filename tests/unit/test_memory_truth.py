@@ -7,6 +7,7 @@ from helpers import ConvNet, conv_batches, conv_step, thrashing_allocator
 import gputui
 from gputui.probes.cuda import NvmlView, memory_from_stats
 from gputui.probes.tensors import top_tensors
+from gputui.telemetry.hub import Hub
 from gputui.telemetry.sample import GpuDevice, GpuProcess, GpuReading, Memory
 
 GiB, MiB = 2**30, 2**20
@@ -51,12 +52,11 @@ def test_nvml_gap_names_what_pytorch_cannot_see():
     assert m.nvml_gap == 530 * MiB  # the CUDA context and workspaces outside the caching allocator
 
 
-class FakePoller:
-    def __init__(self, reading):
-        self.reading = reading
-
-    def latest(self):
-        return self.reading
+def carrying(reading):
+    """A hub that has carried one GPU reading, as the NVML poller feeds it."""
+    hub = Hub()
+    hub.publish_gpus(reading)
+    return hub
 
 
 def test_nvml_view_reads_this_process_or_only_the_device_in_a_container():
@@ -65,11 +65,11 @@ def test_nvml_view_reads_this_process_or_only_the_device_in_a_container():
     reading = GpuReading(
         t=0.0, devices=(GpuDevice(0, memory_used=5 * GiB), GpuDevice(1, memory_used=15 * GiB, processes=(mine, other)))
     )
-    assert NvmlView(FakePoller(reading), 1, 4242).used() == {"nvml_used": 13 * GiB, "nvml_device_used": 15 * GiB}
+    assert NvmlView(carrying(reading), 1, 4242).used() == {"nvml_used": 13 * GiB, "nvml_device_used": 15 * GiB}
     hidden = GpuReading(t=0.0, devices=(GpuDevice(0, memory_used=5 * GiB),))  # PIDs hidden from NVML
-    assert NvmlView(FakePoller(hidden), 0, 4242).used() == {"nvml_used": None, "nvml_device_used": 5 * GiB}
-    assert NvmlView(FakePoller(GpuReading(t=0.0, status="no NVIDIA driver is loaded")), 0, 1).used() == {}
-    assert NvmlView(FakePoller(None), 0, 1).used() == {}
+    assert NvmlView(carrying(hidden), 0, 4242).used() == {"nvml_used": None, "nvml_device_used": 5 * GiB}
+    assert NvmlView(carrying(GpuReading(t=0.0, status="no NVIDIA driver is loaded")), 0, 1).used() == {}
+    assert NvmlView(Hub(), 0, 1).used() == {}  # no reading yet
 
 
 def test_top_tensors_groups_roles_and_shared_storage():

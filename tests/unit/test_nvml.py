@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -526,20 +527,26 @@ def test_mapping_without_nvml_is_none(cuda_env):
 # The poller ------------------------------------------------------------------------------------
 
 
-def wait_for(condition, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+def readings() -> tuple[threading.Semaphore, Callable[[GpuReading], None]]:
+    """An on_reading callback, and a semaphore it releases at each reading: tests wait on it."""
+    each = threading.Semaphore(0)
+    return each, lambda reading: each.release()
+
+
+def ended_by_itself(poller: probe.NvmlPoller, timeout: float = 2.0) -> bool:
+    """Whether the poller's thread ends within `timeout` without stop() (NVML unavailable)."""
+    poller._thread.join(timeout)
+    return not poller.running
 
 
 def test_the_poller_reads_at_most_once_per_interval():
     nvml = FakeNvml(Gpu())
-    poller = probe.NvmlPoller(interval=0.01, nvml=nvml)  # clamped to the 0.25 s minimum
+    each, on_reading = readings()
+    poller = probe.NvmlPoller(interval=0.01, nvml=nvml, on_reading=on_reading)  # clamped to the 0.25 s minimum
     assert poller.interval == probe.MIN_INTERVAL and poller.latest() is None
 
     with poller:
-        wait_for(lambda: len(nvml.count_times) >= 2)
+        assert each.acquire(timeout=2) and each.acquire(timeout=2), "two readings"
         first = poller.latest()
     calls = len(nvml.count_times)
 
@@ -553,7 +560,7 @@ def test_the_poller_stops_when_nvml_is_unavailable_and_keeps_the_reason():
     nvml = FakeNvml(init_error=NVMLError_DriverNotLoaded())
     poller = probe.NvmlPoller(interval=0.25, nvml=nvml).start()
 
-    wait_for(lambda: not poller.running)
+    assert ended_by_itself(poller)
 
     assert poller.latest().status == "no NVIDIA driver is loaded (nvidia-smi would fail too)"
     assert nvml.calls["nvmlInit"] == 1
@@ -569,7 +576,7 @@ def test_the_poller_never_raises_into_its_thread(monkeypatch):
     monkeypatch.setattr(threading, "excepthook", raised.append)
 
     with probe.NvmlPoller(nvml=FakeNvml()) as poller:
-        wait_for(lambda: not poller.running)
+        assert ended_by_itself(poller)
 
     assert poller.latest().status == "reading the GPUs failed: boom" and raised == []
 

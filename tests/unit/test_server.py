@@ -13,6 +13,7 @@ from gputui.telemetry import server as server_module
 from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.paths import UnsafeDirectory, socket_dir
+from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, StepSample
 from gputui.telemetry.server import TelemetryServer, serve
 
@@ -66,18 +67,18 @@ def test_socket_and_folder_are_private_and_removed_on_close():
 
 def test_a_client_gets_who_the_run_so_far_then_live_records(served):
     hub, server = served
-    hub.start({"device": "cpu", "argv": ["train.py"]})
+    hub.start(RunInfo(device="cpu", argv=("train.py",)))
     for step in range(1, 6):
         hub.publish(sample(step, loss=1.0 / step))
     hub.emit(Event("paused", 5, {"reason": "test"}))
-    time.sleep(0.2)  # the server thread takes them in
+    until(lambda: len(server._events) == 1)  # the server thread took them in: the event came last
     with Connection(server.path) as conn:
         welcome = conn.welcome()
-        assert welcome.hello["pid"] == os.getpid() and welcome.info["argv"] == ["train.py"]
+        assert welcome.hello["pid"] == os.getpid() and welcome.info.argv == ("train.py",)
         assert welcome.history["series"]["loss"]["steps"] == [1, 2, 3, 4, 5]
         assert welcome.latest["step"] == 5 and [e["name"] for e in welcome.events] == ["paused"]
         hub.publish(sample(6))
-        hub.end({"steps": 6, "error": None})
+        hub.end(RunSummary(steps=6))
         kinds = [conn.read()["kind"] for _ in range(2)]
         assert kinds == ["step", "end"]
 
@@ -164,13 +165,13 @@ def test_unsafe_folder_is_refused_and_training_goes_on(runtime_dir, capsys):
 
 def test_mirror_replays_the_job_and_tells_when_it_ended(served):
     hub, server = served
-    hub.start({"device": "cpu", "argv": ["train.py"]})
+    hub.start(RunInfo(device="cpu", argv=("train.py",)))
     hub.publish(sample(1))
     mirror = Mirror(server.path, os.getpid()).start()
     until(lambda: mirror.generation == 1 and mirror.hub.latest() is not None)
-    assert mirror.hub.info["argv"] == ["train.py"] and mirror.status is None
+    assert mirror.hub.info.argv == ("train.py",) and mirror.status is None
     hub.publish(sample(2))
-    hub.end({"steps": 2, "error": None, "stopped": None})
+    hub.end(RunSummary(steps=2))
     until(lambda: mirror.hub.summary is not None)
     assert mirror.hub.latest().step == 2
     server.close()
@@ -227,7 +228,7 @@ def test_all_connections_together_have_a_bound_and_a_run_end_clears_it(served, m
         replies = answers(second, 3)
         assert [r["kind"] for r in replies] == ["ack", "ack", "error"]
         assert "6 requests from attached clients are waiting" in replies[-1]["reason"]
-        hub.end({"steps": 1, "error": None})  # e.g. a stop: never answered by an event, but the run is over
+        hub.end(RunSummary(steps=1))  # e.g. a stop: never answered by an event, but the run is over
         until(lambda: second.read()["kind"] == "end")
         second.request("snapshot")
         assert second.read()["kind"] == "ack"
@@ -283,18 +284,18 @@ def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, 
 
 def test_the_welcome_is_built_once_per_change_not_per_connection(served, monkeypatch):
     hub, server = served
-    hub.start({"device": "cpu", "argv": ["train.py"]})
+    hub.start(RunInfo(device="cpu", argv=("train.py",)))
     hub.publish(sample(1))
     built = []
     to_json = server._series.to_json
     monkeypatch.setattr(server._series, "to_json", lambda: built.append(1) or to_json())
-    time.sleep(0.2)
+    until(lambda: server._last_step is not None and server._last_step.step == 1)  # folded in before any welcome
     for _ in range(20):
         with Connection(server.path) as conn:
             assert conn.welcome().latest["step"] == 1
     assert len(built) == 1
     hub.publish(sample(2))
-    time.sleep(0.2)
+    until(lambda: server._last_step.step == 2)
     with Connection(server.path) as conn:
         assert conn.welcome().latest["step"] == 2, "a change rebuilds it"
     assert len(built) == 2
@@ -323,11 +324,13 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
         b'"memory": {"device": "cpu"}}\n'
     )
 
+    checked = threading.Event()
+
     def serve():
         listener.settimeout(10)
         conn, _ = listener.accept()
         conn.sendall(hello + b'{"v": 1, "kind": "live"}\n' + bad)
-        time.sleep(5)
+        checked.wait(5)  # the connection stays open while the test looks
         conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -338,6 +341,7 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
         assert "'step' is a str" in mirror.status
         assert mirror.hub.latest() is None, "nothing of the wrong type reaches the view"
     finally:
+        checked.set()
         mirror.stop()
         listener.close()
         thread.join(10)

@@ -1,0 +1,153 @@
+"""The records a run begins and ends with: what is training (RunInfo) and how it went (RunSummary).
+
+Frozen like the samples, and typed: the engine makes them, the hub carries them, the metrics
+file, the progress line, the socket and the TUI read their fields. `refused` tells every reader
+which controls this run will not take, and why, so no reader keeps its own list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+NUMBER = (int, float)
+
+
+def _checked(cls: type, data: Mapping[str, Any], types: Mapping[str, Any]) -> dict[str, Any]:
+    """The known fields of `data`, each of the type the readers expect; ValueError naming one that is not.
+    A newer peer may send more fields (dropped) or fewer (the defaults)."""
+    values = {}
+    for f in fields(cls):
+        if f.name not in data or data[f.name] is None:
+            continue
+        value, accepted = data[f.name], types[f.name]
+        if not isinstance(value, accepted) or (isinstance(value, bool) and accepted is not bool):
+            raise ValueError(f"{cls.__name__}.{f.name} is a {type(value).__name__}")
+        values[f.name] = value
+    return values
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What is training and how, as the run begins. `mode`: "fit" (gputui's loop) or "observe"
+    (the script's own loop, watched)."""
+
+    mode: str = "fit"
+    pid: int = 0
+    started: float = 0.0
+    argv: tuple[str, ...] = ()
+    device: str = "cpu"
+    device_name: str = ""
+    model: str = ""
+    params: int = 0
+    trainable: int = 0
+    optimizer: str = ""
+    epochs: int | None = None
+    max_steps: int | None = None
+    steps_per_epoch: int | None = None
+    total_steps: int | None = None
+    micro_batch: int | None = None
+    batch_norm: int = 0
+    min_micro_batch: int = 1
+    amp: str = "off"
+    checkpointing: bool = False
+    checkpointing_how: str | None = None
+    auto_recover: bool = True
+    memory_budget: int | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Control action -> why this run refuses it (an own loop cannot change its batch, a model
+    without repeated blocks has nothing to checkpoint). Absent: the run takes it."""
+
+    @property
+    def observed(self) -> bool:
+        return self.mode == "observe"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["argv"], out["refused"] = list(self.argv), dict(self.refused)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunInfo:
+        values = _checked(cls, data, _INFO_TYPES)
+        if "argv" in values:
+            if not all(isinstance(arg, str) for arg in values["argv"]):
+                raise ValueError("RunInfo.argv holds a non-string")
+            values["argv"] = tuple(values["argv"])
+        if "refused" in values:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in values["refused"].items()):
+                raise ValueError("RunInfo.refused holds a non-string")
+            values["refused"] = dict(values["refused"])
+        return cls(**values)
+
+
+_INFO_TYPES: dict[str, Any] = {
+    "mode": str,
+    "pid": int,
+    "started": NUMBER,
+    "argv": (list, tuple),
+    "device": str,
+    "device_name": str,
+    "model": str,
+    "params": int,
+    "trainable": int,
+    "optimizer": str,
+    "epochs": int,
+    "max_steps": int,
+    "steps_per_epoch": int,
+    "total_steps": int,
+    "micro_batch": int,
+    "batch_norm": int,
+    "min_micro_batch": int,
+    "amp": str,
+    "checkpointing": bool,
+    "checkpointing_how": str,
+    "auto_recover": bool,
+    "memory_budget": int,
+    "refused": dict,
+}
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """How the run ended. `stopped`: why it stopped early (a request, a signal); `error`: why it failed."""
+
+    steps: int = 0
+    epochs: int = 0
+    samples: int = 0
+    micro_batch: int | None = None
+    loss: float | None = None
+    stopped: str | None = None
+    amp: str = "off"
+    checkpointing: bool = False
+    ooms_recovered: int = 0
+    elapsed_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """One word for how it ended: failed, stopped or finished."""
+        return "failed" if self.error else "stopped" if self.stopped else "finished"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunSummary:
+        return cls(**_checked(cls, data, _SUMMARY_TYPES))
+
+
+_SUMMARY_TYPES: dict[str, Any] = {
+    "steps": int,
+    "epochs": int,
+    "samples": int,
+    "micro_batch": int,
+    "loss": NUMBER,
+    "stopped": str,
+    "amp": str,
+    "checkpointing": bool,
+    "ooms_recovered": int,
+    "elapsed_s": NUMBER,
+    "error": str,
+}
