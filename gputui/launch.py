@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from .engine.result import FitError  # no torch: result.py holds plain dataclasses
+from .engine.result import FitError, SettingsError  # no torch: result.py holds plain dataclasses
 from .telemetry.describe import diagnosis_text
 
 _HIDDEN = (
@@ -77,10 +77,11 @@ def _observed(hub: Any) -> Iterator[Any]:
     from .engine.observe import Observer
     from .telemetry.lossparse import LossParser
 
-    observer = Observer(hub, budget=hub.overrides.memory_budget)
+    observer = Observer(hub)
     parser = LossParser(observer.printed)
     streams = sys.stdout, sys.stderr
-    tees = sys.stdout, sys.stderr = _Tee(sys.stdout, parser.feed), _Tee(sys.stderr, parser.feed)
+    tees = _Tee(streams[0], parser.feed), _Tee(streams[1], parser.feed)
+    sys.stdout, sys.stderr = tees
     try:
         with observer.installed():
             yield observer
@@ -142,7 +143,7 @@ def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe
         failure = "interrupted"
         err.write(f"\ngputui: {name} interrupted\n")
         return 130
-    except FitError as exc:
+    except (FitError, SettingsError) as exc:
         failure = str(exc)
         err.write(f"gputui: error: {exc}\n")
         return 1

@@ -14,31 +14,21 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..probes import snapshot
-from ..probes.cpu import StateTracker
-from ..probes.device import for_device
-from ..probes.host import HOST_INTERVAL, read_host
-from ..probes.tensors import top_training_tensors
-from ..telemetry import hub as hubs
-from ..telemetry.controls import REMEDIES, Control
-from ..telemetry.describe import BATCH_NORM_FLOOR
-from ..telemetry.jsonl import MetricsFile
-from ..telemetry.progress import ProgressLine
-from ..telemetry.rate import Rate
-from ..telemetry.sample import Event, StepSample
-from ..telemetry.server import serve
-from ..units import format_bytes, parse_size
+from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES, Control
+from ..telemetry.setup import MetricsSink, for_process
+from ..units import format_bytes
 from .microbatch import batch_size, shapes, sizes, split, to_device
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
+from .session import RunSession
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
@@ -74,16 +64,34 @@ def _length(data: Any) -> int | None:
         return None
 
 
-def _nvml_view(hub: hubs.Hub, device: torch.device) -> Any:
-    """NVML's view of this process on `device`, read by the hub's poller thread (started once)."""
-    from ..probes.cuda import NvmlView
-    from ..probes.nvml import NvmlPoller, cuda_to_nvml_index
+def _positive(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
-    if hub.gpu_poller is None:
-        hub.gpu_poller = NvmlPoller().start()
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    index = cuda_to_nvml_index(device.index, cuda_uuid=str(uuid) if uuid else None)
-    return None if index is None else NvmlView(hub.gpu_poller, index, os.getpid())
+
+@dataclass(frozen=True)
+class FitOptions:
+    """fit()'s keyword arguments, checked once. The command line's settings (the hub's overrides)
+    win over them in the RunSession, but for the metrics file: the command line's replaces fit's."""
+
+    epochs: int | None = None
+    max_steps: int | None = None
+    scheduler: Any = None
+    micro_batch: int | None = None
+    amp: str = "off"
+    checkpointing: bool = False
+    checkpoint_modules: Sequence[nn.Module] | None = None
+    device: str | torch.device | None = None
+    memory_budget: int | str | None = None
+    gpu_memory_limit: int | str | None = None
+    auto_recover: bool = True
+    metrics: str | os.PathLike[str] | None = None
+    memory_history: bool = False
+    snapshot_dir: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "max_steps", "micro_batch"):
+            _positive(name, getattr(self, name))
 
 
 def fit(
@@ -113,7 +121,22 @@ def fit(
     both, training stops at whichever comes first. Options given on the gputui command line
     win over the same arguments here.
     """
-    options = {k: v for k, v in locals().items() if k not in ("model", "data", "step", "optimizer")}
+    options = FitOptions(
+        epochs=epochs,
+        max_steps=max_steps,
+        scheduler=scheduler,
+        micro_batch=micro_batch,
+        amp=amp,
+        checkpointing=checkpointing,
+        checkpoint_modules=checkpoint_modules,
+        device=device,
+        memory_budget=memory_budget,
+        gpu_memory_limit=gpu_memory_limit,
+        auto_recover=auto_recover,
+        metrics=metrics,
+        memory_history=memory_history,
+        snapshot_dir=snapshot_dir,
+    )
     return _Trainer(model, data, step, optimizer, options).run()
 
 
@@ -124,7 +147,7 @@ class _Trainer:
         data: Iterable[Any],
         step: Callable[[nn.Module, Any], torch.Tensor],
         optimizer: torch.optim.Optimizer,
-        options: dict[str, Any],
+        o: FitOptions,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -132,95 +155,90 @@ class _Trainer:
             raise TypeError("step must be a function step(model, batch) -> loss")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        for name in ("epochs", "max_steps", "micro_batch"):
-            value = options[name]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not hasattr(data, "__iter__"):
             raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
 
-        hub = hubs.current()
-        if hub is None:  # plain `python script.py`: this process's hub, kept for later fits
-            hub = hubs.Hub()
-            hub.add_sink(ProgressLine(sys.stdout))
-            hubs.install(hub)
-            serve(hub)  # attachable too
+        hub = for_process(sys.stdout)  # the installed hub; under plain `python script.py`, one of its own
         self.hub = hub
-        own_metrics = options["metrics"]
-        options.update(hub.overrides.given())
-        o = options
-        self.budget = parse_size(o["memory_budget"]) if o["memory_budget"] is not None else None
-        gpu_limit = parse_size(o["gpu_memory_limit"]) if o["gpu_memory_limit"] is not None else None
-        self.snapshot_dir = os.fspath(o["snapshot_dir"])
-        self._sinks = []
-        if own_metrics is not None and hub.overrides.metrics is None:
-            self._sinks.append(MetricsFile(own_metrics))
-        epochs, max_steps, micro_batch = o["epochs"], o["max_steps"], o["micro_batch"]
-        amp, checkpointing, checkpoint_modules = o["amp"], o["checkpointing"], o["checkpoint_modules"]
-        scheduler, device, auto_recover = o["scheduler"], o["device"], o["auto_recover"]
-
-        self.model, self.data, self.step, self.optimizer, self.scheduler = model, data, step, optimizer, scheduler
-        self.epochs = epochs if epochs is not None else (1 if max_steps is None else None)
-        self.max_steps = max_steps
-        self.device = resolve_device(device)
-        self.precision = Precision(self.device, amp)
+        self.model, self.data, self.step, self.optimizer, self.scheduler = model, data, step, optimizer, o.scheduler
+        self.epochs = o.epochs if o.epochs is not None else (1 if o.max_steps is None else None)
+        self.max_steps = o.max_steps
+        self.device = resolve_device(o.device)
+        self.precision = Precision(self.device, o.amp)
         self.generators = Generators(self.device)
-        self.checkpointing = Checkpointing(model, checkpoint_modules)
+        self.checkpointing = Checkpointing(model, o.checkpoint_modules)
         reason = self.checkpointing.unavailable()
-        if checkpointing and reason:
+        if o.checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(self.device)
         model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
         self.buffers = Buffers(model)
         # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
         self.min_micro_batch = 2 if self.buffers.batch_norms else 1
-        if micro_batch is not None and micro_batch < self.min_micro_batch:
+        if o.micro_batch is not None and o.micro_batch < self.min_micro_batch:
             raise ValueError(
-                f"micro_batch={micro_batch}, but the model has BatchNorm layers and "
+                f"micro_batch={o.micro_batch}, but the model has BatchNorm layers and "
                 f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead"
             )
-        # Last, after every check that can fail: the tracker hooks the parameters until run() ends.
-        self.tracker = (
-            StateTracker(model, optimizer, self.budget)
-            if self.device.type == "cpu" or self.budget is not None
-            else None
-        )
-        self.probe = for_device(
-            self.device,
-            self.tracker,
-            limit=gpu_limit,
-            nvml=_nvml_view(hub, self.device) if self.device.type == "cuda" else None,
-        )
-        self.memory_history = bool(o["memory_history"]) and snapshot.unavailable(self.device) is None
-        if self.memory_history:
-            snapshot.start_history()
+        # Last, after every check that can fail: the script's own metrics file (unless the command
+        # line named one), and the tracker, which hooks the parameters until run() ends.
+        self._metrics = MetricsSink(hub, o.metrics if hub.overrides.metrics is None else None)
+        try:
+            self.session = RunSession(
+                hub,
+                self.device,
+                tracked=model,
+                optimizer=optimizer,
+                memory_budget=o.memory_budget,
+                gpu_memory_limit=o.gpu_memory_limit,
+                snapshot_dir=o.snapshot_dir,
+                memory_history=o.memory_history,
+                keep_events=True,
+            )
+        except BaseException:
+            self._metrics.close()
+            raise
+        self.tracker, self.probe, self.budget = self.session.tracker, self.session.probe, self.session.budget
         if self.tracker is not None:
             self.checkpointing.on_inputs = self.tracker.note_saved
-        self.checkpointing.set(checkpointing)
-        self.micro_batch = micro_batch  # a cap: None means the whole global batch
-        self.auto_recover = auto_recover
+        self.checkpointing.set(o.checkpointing)
+        self.micro_batch = o.micro_batch  # a cap: None means the whole global batch
+        self.auto_recover = o.auto_recover
 
-        self.steps = self.samples = self.epochs_done = self.epoch = self.ooms_recovered = 0
+        self.epochs_done = self.epoch = self.ooms_recovered = 0
         self.batch_size = 0
         self.accumulation = 1
         self.loss: float | None = None
-        self.paused = False
         self.stop_reason: str | None = None
         self._signal: str | None = None
-        self._events: list[Event] = []
-        self._rate = Rate()
         self._warned_loss = False
         self._said_batch_norm = not self.buffers.batch_norms  # said once, or nothing to say
-        self._host, self._host_t = None, 0.0
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
+        self._handlers: dict[str, Callable[[Control], bool]] = {
+            "halve_batch": self._resize,
+            "double_batch": self._resize,
+            "set_amp": self._set_amp,
+            "set_checkpointing": self._set_checkpointing,
+            "set_auto_recover": self._set_auto_recover,
+            "stop": self._request_stop,
+        }
+
+    @property
+    def steps(self) -> int:
+        return self.session.steps
+
+    @property
+    def samples(self) -> int:
+        return self.session.samples
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FitResult:
-        for sink in self._sinks:
-            self.hub.add_sink(sink)
-        self.hub.start(self._info())
-        self._t0 = time.monotonic()
+        with self._metrics:
+            return self._run()
+
+    def _run(self) -> FitResult:
+        self._start()
         restore_signals = self._install_signals()
         error: str | None = None
         try:
@@ -234,7 +252,7 @@ class _Trainer:
                     )
             self._loop()
             if self.stop_reason:
-                self._emit("stopped", reason=self.stop_reason)
+                self.session.emit("stopped", reason=self.stop_reason)
             return self.result()
         except FitError as exc:
             error = str(exc)
@@ -245,16 +263,12 @@ class _Trainer:
             raise
         finally:
             if error is not None:
-                self._emit("error", message=error)
+                self.session.emit("error", message=error)
             restore_signals()
             self.generators.close()
             self.checkpointing.remove()
-            if self.tracker:
-                self.tracker.close()
-            self.hub.end({**self.result().summary(), "error": error})
-            for sink in self._sinks:
-                self.hub.remove_sink(sink)
-                sink.close()
+            self.session.close_tracker()
+            self.session.end(self.result().summary(error))
 
     def _loop(self) -> None:
         epoch = 0
@@ -284,12 +298,9 @@ class _Trainer:
     # -- the step boundary ------------------------------------------------------------------
     def _boundary(self) -> bool:
         """Apply every queued control; while paused, wait here. False: stop before the next step."""
-        if self.hub.controls or self.paused:
-            self._apply_queued()
-            while self.paused and self._stop() is None:
-                if self.hub.controls.wait(0.25):
-                    self._apply_queued()
-        return self._stop() is None
+        self._apply_queued()
+        self.session.wait_while_paused(self._apply_queued, self._stopping)
+        return not self._stopping()
 
     def _apply_queued(self) -> list[Control]:
         """Apply what is queued, in order; returns the controls that changed something.
@@ -300,96 +311,74 @@ class _Trainer:
         for control in self.hub.controls.drain():
             if control.action == "free_cache":
                 if freed:
-                    self._refuse(control, "the cache was freed at this boundary already")
+                    self.session.refuse(control, "the cache was freed at this boundary already")
                     continue
                 freed = True
             if self._apply(control):
                 applied.append(control)
         return applied
 
-    def _stop(self) -> str | None:
+    def _stopping(self) -> bool:
         signalled = self._signal or self.hub.stop_signal  # the hub's: set where fit is not the main thread
         if signalled and not self.stop_reason:
             self.stop_reason = signalled
-        return self.stop_reason
-
-    def _refuse(self, control: Control, reason: str) -> bool:
-        self._emit("control_refused", action=control.action, value=control.value, reason=reason, **control.answer())
-        return False
+        return self.stop_reason is not None
 
     def _apply(self, control: Control) -> bool:
         """Apply one control; True if it changed something. Every request is answered by an event."""
-        meta = control.answer()
-        action, value = control.action, control.value
+        applied = self.session.apply(control)
+        if applied is not None:
+            return applied
+        return self._handlers[control.action](control)
 
-        def refuse(reason: str) -> bool:
-            return self._refuse(control, reason)
+    def _resize(self, control: Control) -> bool:
+        current = self._micro_batch()
+        if control.action == "halve_batch":
+            if current <= 1:
+                return self.session.refuse(control, "the micro-batch is already 1")
+            if current <= self.min_micro_batch:
+                return self.session.refuse(control, BATCH_NORM_FLOOR)
+            new = max(current // 2, self.min_micro_batch)
+        else:
+            if current >= self.batch_size:
+                return self.session.refuse(
+                    control, f"the micro-batch already equals the global batch ({self.batch_size})"
+                )
+            new = min(current * 2, self.batch_size)
+        self.session.emit(
+            "micro_batch_changed", control, **{"from": current, "to": new}, accumulation=self._accumulation(new)
+        )
+        self.micro_batch = new
+        return True
 
-        if action in ("halve_batch", "double_batch"):
-            current = self._micro_batch()
-            if action == "halve_batch":
-                if current <= 1:
-                    return refuse("the micro-batch is already 1")
-                if current <= self.min_micro_batch:
-                    return refuse(BATCH_NORM_FLOOR)
-                new = max(current // 2, self.min_micro_batch)
-            else:
-                if current >= self.batch_size:
-                    return refuse(f"the micro-batch already equals the global batch ({self.batch_size})")
-                new = min(current * 2, self.batch_size)
-            self._emit(
-                "micro_batch_changed", **{"from": current, "to": new}, accumulation=self._accumulation(new), **meta
-            )
-            self.micro_batch = new
-        elif action == "set_amp":
-            if value == self.precision.mode:
-                return refuse(f"AMP is already {value}")
-            reason = self.precision.unsupported(value)
-            if reason:
-                return refuse(reason)
-            old = self.precision.mode
-            self.precision.set(value)
-            self._emit("amp_changed", **{"from": old, "to": value}, **meta)
-        elif action == "set_checkpointing":
-            if value == self.checkpointing.enabled:
-                return refuse(f"checkpointing is already {'on' if value else 'off'}")
-            reason = self.checkpointing.unavailable()
-            if reason:
-                return refuse(reason)
-            self.checkpointing.set(value)
-            self._emit("checkpointing_changed", enabled=value, how=self.checkpointing.how, **meta)
-        elif action == "set_auto_recover":
-            if value == self.auto_recover:
-                return refuse(f"auto-recover is already {'on' if value else 'off'}")
-            self.auto_recover = value
-            self._emit("auto_recover_changed", enabled=value, **meta)
-        elif action == "free_cache":
-            self._emit("cache_freed", **self.probe.free_cache(), **meta)
-        elif action == "pause":
-            if self.paused:
-                return refuse("already paused")
-            self.paused = True
-            self._emit("paused", **meta)
-        elif action == "resume":
-            if not self.paused:
-                return refuse("not paused")
-            self.paused = False
-            self._rate.clear()  # the pause is not training time
-            self._emit("resumed", **meta)
-        elif action == "snapshot":
-            reason = snapshot.unavailable(self.device)
-            if reason:
-                return refuse(reason)
-            self._snapshot("requested", meta)
-        elif action == "memory_summary":
-            reason = snapshot.unavailable(self.device)
-            if reason:
-                return refuse("memory_summary() is a CUDA allocator report")
-            self._emit("memory_summary", text=torch.cuda.memory_summary(self.device), **meta)
-        elif action == "top_tensors":
-            self._emit("top_tensors", **top_training_tensors(list(self.model.parameters()), self.optimizer), **meta)
-        elif action == "stop":
-            self.stop_reason = "requested"
+    def _set_amp(self, control: Control) -> bool:
+        value = control.value
+        if value == self.precision.mode:
+            return self.session.refuse(control, f"AMP is already {value}")
+        reason = self.precision.unsupported(value)
+        if reason:
+            return self.session.refuse(control, reason)
+        old = self.precision.mode
+        self.precision.set(value)
+        self.session.emit("amp_changed", control, **{"from": old, "to": value})
+        return True
+
+    def _set_checkpointing(self, control: Control) -> bool:
+        if control.value == self.checkpointing.enabled:
+            return self.session.refuse(control, f"checkpointing is already {'on' if control.value else 'off'}")
+        self.checkpointing.set(control.value)
+        self.session.emit("checkpointing_changed", control, enabled=control.value, how=self.checkpointing.how)
+        return True
+
+    def _set_auto_recover(self, control: Control) -> bool:
+        if control.value == self.auto_recover:
+            return self.session.refuse(control, f"auto-recover is already {'on' if control.value else 'off'}")
+        self.auto_recover = control.value
+        self.session.emit("auto_recover_changed", control, enabled=control.value)
+        return True
+
+    def _request_stop(self, control: Control) -> bool:
+        self.stop_reason = "requested"
         return True
 
     def _micro_batch(self) -> int:
@@ -467,15 +456,16 @@ class _Trainer:
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            if self.memory_history:  # now, while the failed step's tensors are still alive
-                self._snapshot("oom", {})
+            if self.session.memory_history:  # now, while the failed step's tensors are still alive
+                self.session.snapshot("oom")
             return OomInfo(phase, drop(exc), size, allocated_before)
         if self.scheduler is not None:
             self.scheduler.step()
+        assert loss_sum is not None  # the batch had at least one piece
         self.loss = loss_sum.item()
         self.accumulation = count
-        self.steps += 1
-        self.samples += total
+        self.session.steps += 1
+        self.session.samples += total
         return None
 
     def _check_loss(self, loss: Any) -> None:
@@ -504,7 +494,7 @@ class _Trainer:
 
     def _recover(self, oom: OomInfo, retries: int) -> bool:
         """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end."""
-        details = {
+        details: dict[str, Any] = {
             "phase": oom.phase,
             "message": oom.message,
             "micro_batch": oom.micro_batch,
@@ -513,7 +503,7 @@ class _Trainer:
             "leaked": max(0, self.probe.allocated() - oom.allocated_before),
         }
         if oom.phase == "optimizer":
-            self._emit("oom", **details, recovered=False)
+            self.session.emit("oom", **details, recovered=False)
             raise FitError(
                 f"out of memory inside optimizer.step() at step {self.steps + 1}: not safe to retry (the "
                 "parameters may be partly updated), so training stops. Optimizer state does not shrink "
@@ -521,20 +511,20 @@ class _Trainer:
                 f"memory. [{oom.message}]"
             )
         if retries > MAX_RETRIES:
-            self._emit("oom", **details, recovered=False)
+            self.session.emit("oom", **details, recovered=False)
             raise FitError(
                 f"gave up after {MAX_RETRIES} out-of-memory errors in a row on the same batch "
                 f"(last in {oom.phase}: {oom.message})"
             )
         if self.auto_recover:
             if oom.micro_batch <= 1:
-                self._emit("oom", **details, recovered=False)
+                self.session.emit("oom", **details, recovered=False)
                 raise FitError(
                     f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
                     f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
                 )
             if oom.micro_batch <= self.min_micro_batch:
-                self._emit("oom", **details, recovered=False)
+                self.session.emit("oom", **details, recovered=False)
                 raise FitError(
                     f"out of memory in {oom.phase} at micro-batch {oom.micro_batch}, and the model has "
                     f"BatchNorm layers: {BATCH_NORM_FLOOR}, so it cannot be halved again. Replace them "
@@ -545,30 +535,26 @@ class _Trainer:
             new = max(oom.micro_batch // 2, self.min_micro_batch)
             self.ooms_recovered += 1
             self.micro_batch = new
-            self._emit("oom_recovered", **details, micro_batch_to=new, accumulation=self._accumulation(new))
+            self.session.emit("oom_recovered", **details, micro_batch_to=new, accumulation=self._accumulation(new))
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
-        self._emit("oom", **details, recovered=False, waiting=True)
-        self.paused = True
-        self._emit("paused", reason="oom")
-        while self._stop() is None:
-            if not self.hub.controls.wait(0.25):
-                continue
+        session = self.session
+        session.emit("oom", **details, recovered=False, waiting=True)
+        session.paused = True
+        session.emit("paused", reason="oom")
+
+        def apply() -> None:
             for control in self._apply_queued():
                 if control.action in REMEDIES or control.action == "set_auto_recover":
-                    if self.paused:
-                        self.paused = False
-                        self._emit("resumed", reason=control.action)
-                    self._rate.clear()
-            if not self.paused:
-                return self._stop() is None
-        return False
+                    if session.paused:
+                        session.paused = False
+                        session.emit("resumed", reason=control.action)
+                    session.clear_rate()
+
+        session.wait_while_paused(apply, self._stopping)
+        return not self._stopping()
 
     # -- telemetry --------------------------------------------------------------------------
-    def _snapshot(self, reason: str, meta: dict[str, Any]) -> None:
-        name, details = snapshot.take(self.snapshot_dir, self.device, step=self.steps, reason=reason)
-        self._emit(name, **details, **meta)
-
     def _watch_thrashing(self, retries: int | None) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
         is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes."""
@@ -581,7 +567,7 @@ class _Trainer:
             current = self._micro_batch()
             self.micro_batch = max(current // 2, self.min_micro_batch)
             self._retries = (retries, 0)
-            self._emit(
+            self.session.emit(
                 "thrashing",
                 alloc_retries=retries,
                 steps=streak,
@@ -591,78 +577,52 @@ class _Trainer:
             )
 
     def _publish(self) -> None:
-        now = time.monotonic()
-        _, rate = self._rate.add(now, self.steps, self.samples)
-        memory = self.probe.read()
+        memory = self.session.publish(
+            epoch=self.epoch,
+            loss=self.loss,
+            batch_size=self.batch_size,
+            micro_batch=self._micro_batch(),
+            accumulation=self.accumulation,
+            amp=self.precision.mode,
+            checkpointing=self.checkpointing.enabled,
+        )
         self._baseline = memory.allocated or 0
         self._watch_thrashing(memory.alloc_retries)
-        if now - self._host_t >= HOST_INTERVAL:
-            self._host, self._host_t = read_host(), now
-        if not math.isfinite(self.loss) and not self._warned_loss:
+        if self.loss is not None and not math.isfinite(self.loss) and not self._warned_loss:
             self._warned_loss = True
-            self._emit("loss_not_finite", loss=str(self.loss))
-        self.hub.publish(
-            StepSample(
-                t=time.time(),
-                step=self.steps,
-                epoch=self.epoch,
-                loss=self.loss,
-                batch_size=self.batch_size,
-                micro_batch=self._micro_batch(),
-                accumulation=self.accumulation,
-                amp=self.precision.mode,
-                checkpointing=self.checkpointing.enabled,
-                samples_per_s=rate,
-                memory=memory,
-                samples=self.samples,
-                host=self._host,
-            )
-        )
+            self.session.emit("loss_not_finite", loss=str(self.loss))
 
     def _say_batch_norm(self, size: int) -> None:
         """Once a run: micro-batching changes what BatchNorm computes, unlike every other remedy."""
         self._said_batch_norm = True
-        self._emit(
+        self.session.emit(
             "batch_norm_micro_batched", layers=self.buffers.batch_norms, micro_batch=size, batch_size=self.batch_size
         )
 
-    def _emit(self, name: str, **details: Any) -> None:
-        event = Event(name, self.steps, details)
-        self._events.append(event)
-        self.hub.emit(event)
-
-    def _info(self) -> dict[str, Any]:
+    def _start(self) -> None:
         steps_per_epoch = _length(self.data)
         total = None
         if steps_per_epoch is not None and self.epochs is not None:
             total = steps_per_epoch * self.epochs
         if self.max_steps is not None:
             total = self.max_steps if total is None else min(total, self.max_steps)
-        params = list(self.model.parameters())
-        return {
-            "pid": os.getpid(),
-            "started": time.time(),
-            "argv": list(sys.argv),
-            "device": str(self.device),
-            "device_name": self.probe.name,
-            "model": type(self.model).__name__,
-            "params": sum(p.numel() for p in params),
-            "trainable": sum(p.numel() for p in params if p.requires_grad),
-            "optimizer": type(self.optimizer).__name__,
-            "epochs": self._planned_epochs(steps_per_epoch),
-            "max_steps": self.max_steps,
-            "steps_per_epoch": steps_per_epoch,
-            "total_steps": total,
-            "micro_batch": self.micro_batch,
-            "batch_norm": self.buffers.batch_norms,
-            "min_micro_batch": self.min_micro_batch,
-            "amp": self.precision.mode,
-            "checkpointing": self.checkpointing.enabled,
-            "checkpointing_unavailable": self.checkpointing.unavailable(),
-            "checkpointing_how": self.checkpointing.how,
-            "auto_recover": self.auto_recover,
-            "memory_budget": self.budget,
-        }
+        unavailable = self.checkpointing.unavailable()
+        self.session.start(
+            mode="fit",
+            model=type(self.model).__name__,
+            refused={"set_checkpointing": unavailable} if unavailable else {},
+            epochs=self._planned_epochs(steps_per_epoch),
+            max_steps=self.max_steps,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total,
+            micro_batch=self.micro_batch,
+            batch_norm=self.buffers.batch_norms,
+            min_micro_batch=self.min_micro_batch,
+            amp=self.precision.mode,
+            checkpointing=self.checkpointing.enabled,
+            checkpointing_how=self.checkpointing.how,
+            auto_recover=self.auto_recover,
+        )
 
     def _planned_epochs(self, steps_per_epoch: int | None) -> int | None:
         if self.epochs is not None or not steps_per_epoch or self.max_steps is None:
@@ -676,19 +636,19 @@ class _Trainer:
             samples=self.samples,
             micro_batch=self._micro_batch() if self.batch_size else self.micro_batch,
             loss=self.loss,
-            events=list(self._events),
+            events=list(self.session.events or ()),
             stopped=self.stop_reason,
             amp=self.precision.mode,
             checkpointing=self.checkpointing.enabled,
             ooms_recovered=self.ooms_recovered,
-            elapsed_s=time.monotonic() - getattr(self, "_t0", time.monotonic()),
+            elapsed_s=self.session.elapsed(),
         )
 
     # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------
     def _install_signals(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None  # the TUI's worker thread: the app handles keys, the runner signals
-        names = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+        names: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
         previous = {sig: signal.getsignal(sig) for sig in names}
 
         def handler(signum: int, frame: Any) -> None:

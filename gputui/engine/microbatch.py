@@ -55,11 +55,12 @@ def shapes(batch: Any) -> Any:
 def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
     """The same container with `fn` applied to each child."""
     if isinstance(batch, Mapping):
-        items = {k: fn(v) for k, v in batch.items()}
+        mapped = {k: fn(v) for k, v in batch.items()}
+        make: Callable[..., Any] = type(batch)  # dict-like: built from a dict (Mapping's own __init__ takes none)
         try:
-            return type(batch)(items)
+            return make(mapped)
         except TypeError:
-            return items
+            return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(fn(v) for v in batch))
     if isinstance(batch, (tuple, list)):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -23,59 +21,56 @@ import torch
 import torch.utils.data.dataloader as dataloader_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..probes import snapshot
 from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
-from ..probes.device import Probe, for_device
-from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors
-from ..telemetry.controls import Control
 from ..telemetry.hub import Hub
-from ..telemetry.rate import Rate
-from ..telemetry.sample import Event, Memory, StepSample
+from ..telemetry.run import RunInfo, RunSummary
+from ..telemetry.sample import Event, Memory, StepSample, finite
 from .fetched import Fetched
 from .oom import is_oom
+from .session import RunSession
 
 NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
 """Why the remedies that change how the loop trains are unavailable here."""
 
 
+LOOP_ACTIONS = ("halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover")
+"""The controls that change how the loop trains: an own loop refuses them (NEEDS_FIT)."""
+
+
 class Observer:
-    def __init__(self, hub: Hub, budget: int | None = None) -> None:
+    def __init__(self, hub: Hub) -> None:
         self.hub = hub
-        self.budget = budget
         self.optimizer: torch.optim.Optimizer | None = None
         self.device = torch.device("cpu")
-        self.tracker: StateTracker | None = None
-        self.probe: Probe | None = None
-        self.steps = self.samples = 0
+        self.session: RunSession | None = None  # from the first optimizer on
         self.loss: float | None = None
         self.loss_source: str | None = None
         self.phase: str | None = None  # "optimizer" while optimizer.step() runs
         self.failed_in: str | None = None  # set when backward() raised
         self.amp = "off"
-        self.paused = False
         self._losses: list[torch.Tensor] = []
         self._unscaled: dict[int, torch.Tensor] = {}
         self._printed: tuple[float, str] | None = None
         self.batches = Fetched()
         self._backwards = 0
-        self._rate = Rate()
-        self._host: Any = None
-        self._host_t = 0.0
         self._started = False
         self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
-        self._signalled = False
+        self.stop_reason: str | None = None  # why gputui stopped the script (a signal, a request)
         self._hooks: tuple[Any, Any] | None = None  # the saved-tensor hooks around the script
 
-    # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
-    def on_start(self, info: dict[str, Any]) -> None:
-        if info.get("mode") != "observe":
-            self.fitting = True
-            if self.tracker is not None:  # fit counts its own bytes: two trackers would count twice
-                self.tracker.close()
-                self.tracker = None
+    @property
+    def tracker(self) -> StateTracker | None:
+        return self.session.tracker if self.session is not None else None
 
-    def on_end(self, summary: dict[str, Any]) -> None:
+    # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
+    def on_start(self, info: RunInfo) -> None:
+        if not info.observed:
+            self.fitting = True
+            if self.session is not None:  # fit counts its own bytes: two trackers would count twice
+                self.session.close_tracker()
+
+    def on_end(self, summary: RunSummary) -> None:
         self.fitting = False
 
     def on_sample(self, sample: StepSample) -> None:
@@ -151,30 +146,31 @@ class Observer:
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        torch.autograd.backward = backward
-        torch.optim.Optimizer.__init__ = init
-        dataloader_module._BaseDataLoaderIter.__next__ = next_batch
-        torch.amp.GradScaler.scale = scale
-        torch.optim.Optimizer.zero_grad = zero_grad(original_zero[0])
-        torch.nn.Module.zero_grad = zero_grad(original_zero[1])
-        torch.compile = compile
+        patches = [
+            (torch.autograd, "backward", backward),
+            (torch.optim.Optimizer, "__init__", init),
+            (dataloader_module._BaseDataLoaderIter, "__next__", next_batch),
+            (torch.amp.GradScaler, "scale", scale),
+            (torch.optim.Optimizer, "zero_grad", zero_grad(original_zero[0])),
+            (torch.nn.Module, "zero_grad", zero_grad(original_zero[1])),
+            (torch, "compile", compile),
+        ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        for owner, name, patched in patches:
+            setattr(owner, name, patched)
         self.hub.add_sink(self)
         self._hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         try:
             with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
                 yield self
         finally:
-            torch.autograd.backward = original_backward
-            torch.optim.Optimizer.__init__ = original_init
-            dataloader_module._BaseDataLoaderIter.__next__ = original_next
-            torch.amp.GradScaler.scale = original_scale
-            torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = original_zero
-            torch.compile = original_compile
+            for owner, name, original in originals:
+                setattr(owner, name, original)
             for hook in hooks:
                 hook.remove()
             self.hub.remove_sink(self)
-            if self.tracker is not None:
-                self.tracker.close()
+            if self.session is not None:
+                self.session.close_tracker()
 
     def _hide_hooks(self) -> None:
         """The script compiled something: from now on dynamo must not trace the saved-tensor hooks
@@ -221,41 +217,23 @@ class Observer:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.tracker = (
-            StateTracker(params, optimizer, self.budget) if device.type == "cpu" or self.budget is not None else None
-        )
-        self.probe = for_device(device, self.tracker)
+        # The command line's settings (the hub's overrides) apply here as they do in fit.
+        self.session = RunSession(self.hub, device, tracked=params, optimizer=optimizer, defer_errors=True)
         self._start_step()
 
     def _start(self) -> None:
         """At the first step of the script's own loop (a fit script never gets here)."""
-        assert self.optimizer is not None and self.probe is not None
+        assert self.session is not None
+        if self.session.unmet is not None:  # e.g. --gpu-memory-limit, and this loop trains on a CPU
+            raise self.session.unmet
         self._started = True
-        params, optimizer = self._params(), self.optimizer
-        self.hub.start(
-            {
-                "mode": "observe",
-                "pid": os.getpid(),
-                "started": time.time(),
-                "argv": list(sys.argv),
-                "device": str(self.device),
-                "device_name": self.probe.name,
-                "model": "own loop",
-                "params": sum(p.numel() for p in params),
-                "trainable": sum(p.numel() for p in params if p.requires_grad),
-                "optimizer": type(optimizer).__name__,
-                "epochs": None,
-                "max_steps": None,
-                "steps_per_epoch": None,
-                "total_steps": None,
-                "micro_batch": None,
-                "amp": "off",
-                "checkpointing": False,
-                "checkpointing_unavailable": NEEDS_FIT,
-                "needs_fit": NEEDS_FIT,
-                "auto_recover": False,
-                "memory_budget": self.budget,
-            }
+        self.session.start(
+            mode="observe",
+            model="own loop",
+            refused=dict.fromkeys(LOOP_ACTIONS, NEEDS_FIT),
+            amp="off",
+            checkpointing=False,
+            auto_recover=False,
         )
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -265,107 +243,62 @@ class Observer:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.optimizer or self.fitting:
             return
+        session = self.session
+        assert session is not None
         self.phase = None
         if not self._started:
             self._start()
-        if self.tracker is not None:
-            self.tracker.refresh_optimizer()
-        self.steps += 1
+        if session.tracker is not None:
+            session.tracker.refresh_optimizer()
+        session.steps += 1
         batch, epoch = self.batches.take()
-        self.samples += batch
+        session.samples += batch
         if self._losses:
             self.loss, self.loss_source = float(sum(t.float().sum().item() for t in self._losses)), "backward()"
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
         self._unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
-        self._publish(batch, accumulation, epoch)
+        session.publish(
+            epoch=epoch,
+            loss=self.loss,
+            batch_size=batch,
+            micro_batch=batch // accumulation if batch else 0,
+            accumulation=accumulation,
+            amp=self.amp,
+            checkpointing=False,
+            loss_source=self.loss_source,
+        )
         self._start_step()
         self._boundary()
 
     def _start_step(self) -> None:
-        assert self.probe is not None
-        self.probe.start_step()
-        if self.tracker is not None:
-            self.tracker.start_step()
-
-    def _publish(self, batch: int, accumulation: int, epoch: int) -> None:
-        assert self.probe is not None
-        now = time.monotonic()
-        steps_per_s, samples_per_s = self._rate.add(now, self.steps, self.samples)
-        if now - self._host_t >= HOST_INTERVAL:
-            self._host, self._host_t = read_host(), now
-        self.hub.publish(
-            StepSample(
-                t=time.time(),
-                step=self.steps,
-                epoch=epoch,
-                loss=self.loss,
-                batch_size=batch,
-                micro_batch=batch // accumulation if batch else 0,
-                accumulation=accumulation,
-                amp=self.amp,
-                checkpointing=False,
-                samples_per_s=samples_per_s,
-                memory=self.probe.read(),
-                samples=self.samples,
-                host=self._host,
-                loss_source=self.loss_source,
-                steps_per_s=steps_per_s,
-            )
-        )
+        assert self.session is not None
+        self.session.probe.start_step()
+        if self.session.tracker is not None:
+            self.session.tracker.start_step()
 
     # -- the step boundary: what needs no loop ---------------------------------------------------------
     def _boundary(self) -> None:
-        for control in self.hub.controls.drain():
-            self._apply(control)
-        while self.paused and not self.hub.stop_signal:
-            if self.hub.controls.wait(0.25):
-                for control in self.hub.controls.drain():
-                    self._apply(control)
-        if self.hub.stop_signal and not self._signalled:  # SIGTERM/SIGINT under the TUI (runner.py)
-            self._signalled, self.paused = True, False
-            self._emit("stopped", reason=f"{self.hub.stop_signal}: KeyboardInterrupt raised in the script")
+        assert self.session is not None
+        self._apply_queued()
+        self.session.wait_while_paused(self._apply_queued, lambda: bool(self.hub.stop_signal))
+        if self.hub.stop_signal and not self.stop_reason:  # SIGTERM/SIGINT under the TUI (runner.py)
+            self.stop_reason, self.session.paused = self.hub.stop_signal, False
+            self.session.emit("stopped", reason=f"{self.hub.stop_signal}: KeyboardInterrupt raised in the script")
             raise KeyboardInterrupt  # as that signal's Ctrl-C would under python
 
-    def _emit(self, name: str, control: Control | None = None, **details: Any) -> None:
-        if control is not None:
-            details.update(control.answer())
-        event = Event(name, self.steps, details)
-        self.hub.emit(event)
-
-    def _apply(self, control: Control) -> None:
-        assert self.probe is not None
-        action, device = control.action, self.device
-        if action == "free_cache":
-            self._emit("cache_freed", control, **self.probe.free_cache())
-        elif action == "top_tensors":
-            self._emit("top_tensors", control, **top_training_tensors(self._params(), self.optimizer))
-        elif action in ("snapshot", "memory_summary"):
-            reason = snapshot.unavailable(device)
-            if reason:
-                self._emit("control_refused", control, action=action, value=None, reason=reason)
-            elif action == "snapshot":
-                name, details = snapshot.take("gputui-snapshots", device, step=self.steps, reason="requested")
-                self._emit(name, control, **details)
+    def _apply_queued(self) -> None:
+        assert self.session is not None
+        for control in self.hub.controls.drain():
+            if self.session.apply(control) is not None:
+                continue
+            if control.action != "stop":  # not in `refused`, and no own loop can apply it
+                self.session.refuse(control, NEEDS_FIT)
             else:
-                self._emit("memory_summary", control, text=torch.cuda.memory_summary(device))
-        elif action == "pause" and not self.paused:
-            self.paused = True
-            self._emit("paused", control)
-        elif action == "resume" and self.paused:
-            self.paused = False
-            self._rate.clear()
-            self._emit("resumed", control)
-        elif action == "stop":
-            self.paused = False
-            self._emit("stopped", control, reason="requested: KeyboardInterrupt raised in the script")
-            raise KeyboardInterrupt  # in the script's thread, after its optimizer.step(): as Ctrl-C would
-        else:
-            reason = (
-                NEEDS_FIT if action not in ("pause", "resume") else f"already {'paused' if self.paused else 'running'}"
-            )
-            self._emit("control_refused", control, action=action, value=control.value, reason=reason)
+                self.stop_reason, self.session.paused = "requested", False
+                self.session.emit("stopped", control, reason="requested: KeyboardInterrupt raised in the script")
+                raise KeyboardInterrupt  # in the script's thread, after its optimizer.step(): as Ctrl-C would
 
     # -- the end ---------------------------------------------------------------------------------------
     @staticmethod
@@ -377,8 +310,9 @@ class Observer:
         still alive), and the remedies that fit; emitted as an event and returned."""
         where = _user_frame(exc)
         phase = self.phase or self.failed_in or "forward"
-        memory = self.probe.read() if self.probe is not None else None
-        top = top_training_tensors(self._params(), self.optimizer) if self.probe is not None else {"rows": []}
+        session = self.session
+        memory = session.probe.read() if session is not None else None
+        top = top_training_tensors(self._params(), self.optimizer) if session is not None else {"rows": []}
         details: dict[str, Any] = {
             "diagnosis": True,
             "phase": phase,
@@ -389,26 +323,34 @@ class Observer:
             "remedies": _remedies(phase, memory),
             "recovered": False,
         }
-        self._emit("oom", **details)
+        if session is None:
+            return details  # before the first optimizer: no run to tell of it
+        if not self._started and self.hub.runs == 0 and session.unmet is None:
+            self._start()  # an OOM in an own loop's first step: the run began, and ends here
+        if session.memory_history:  # --memory-history: the snapshot at the OOM, as fit takes it
+            session.snapshot("oom")
+        session.emit("oom", **details)
         return details
 
     def finish(self, error: str | None) -> None:
-        if not self._started:
+        """The end record. The KeyboardInterrupt raised for a stop ends the script as it would under
+        python, but the run stopped (as fit's does), it did not fail."""
+        if not self._started or self.session is None:
             return
-        self.hub.end(
-            {
-                "steps": self.steps,
-                "epochs": self.batches.epochs_done,
-                "samples": self.samples,
-                "micro_batch": None,
-                "loss": self.loss,
-                "stopped": None,
-                "amp": self.amp,
-                "checkpointing": False,
-                "ooms_recovered": 0,
-                "elapsed_s": round(time.time() - self.hub.info["started"], 3) if self.hub.info else 0.0,
-                "error": error,
-            }
+        if self.stop_reason and error == "interrupted":
+            error = None
+        s = self.session
+        s.end(
+            RunSummary(
+                steps=s.steps,
+                epochs=self.batches.epochs_done,
+                samples=s.samples,
+                loss=finite(self.loss),
+                stopped=self.stop_reason,
+                amp=self.amp,
+                elapsed_s=s.elapsed(),
+                error=error,
+            )
         )
 
 

@@ -141,7 +141,7 @@ class _PythonRandom(_HostGenerator):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inst = inst = random._inst  # type: ignore[attr-defined]
+        self.inst = inst = random._inst
         self.plain = plain = type(inst)
         trap = self
 
@@ -177,12 +177,12 @@ class _PythonRandom(_HostGenerator):
                 setattr(random, name, self._bound[name])
 
     def start(self, check: bool) -> None:
-        self._gauss_next = self.inst.gauss_next
+        self._gauss_next = self.inst.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in typeshed
         super().start(check)
 
     def restore(self) -> None:
         super().restore()
-        self.inst.gauss_next = self._gauss_next
+        self.inst.gauss_next = self._gauss_next  # type: ignore[attr-defined]  # as in start()
 
 
 class _NumpyRandom(_HostGenerator):

@@ -90,7 +90,7 @@ class Checkpointing:
     """
 
     def __init__(self, model: nn.Module, modules: Sequence[nn.Module] | None = None) -> None:
-        self.model = model
+        self.model: Any = model  # a Hugging Face model's gradient_checkpointing_* are not nn.Module's
         self.enabled = False
         self.on_inputs: Callable[[tuple[Any, ...]], None] | None = None
         """Told each checkpointed block's inputs: the checkpoint keeps them alive for backward."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..telemetry.run import RunSummary
 from ..telemetry.sample import Event, finite
 
 
@@ -28,20 +28,26 @@ class FitResult:
     ooms_recovered: int = 0
     elapsed_s: float = 0.0
 
-    def summary(self) -> dict[str, Any]:
-        """The record the metrics file's end line and the socket carry."""
-        return {
-            "steps": self.steps,
-            "epochs": self.epochs,
-            "samples": self.samples,
-            "micro_batch": self.micro_batch,
-            "loss": finite(self.loss),
-            "stopped": self.stopped,
-            "amp": self.amp,
-            "checkpointing": self.checkpointing,
-            "ooms_recovered": self.ooms_recovered,
-            "elapsed_s": round(self.elapsed_s, 3),
-        }
+    def summary(self, error: str | None = None) -> RunSummary:
+        """The record the run ends with (the metrics file's end line, the socket's, the screen's)."""
+        return RunSummary(
+            steps=self.steps,
+            epochs=self.epochs,
+            samples=self.samples,
+            micro_batch=self.micro_batch,
+            loss=finite(self.loss),
+            stopped=self.stopped,
+            amp=self.amp,
+            checkpointing=self.checkpointing,
+            ooms_recovered=self.ooms_recovered,
+            elapsed_s=round(self.elapsed_s, 3),
+            error=error,
+        )
+
+
+class SettingsError(ValueError):
+    """A setting cannot apply to this run (a GPU memory limit without a GPU): one line for the user,
+    the same from fit()'s arguments and from the command line, in either mode."""
 
 
 class FitError(RuntimeError):

@@ -26,7 +26,7 @@ def test_bad_step_output(step, message, hub):
     with pytest.raises(gputui.FitError, match=message):
         gputui.fit(model, conv_batches(2, 4), step, sgd(model))
     assert hub.events()[-1].name == "error"
-    assert hub.summary["error"] and hub.summary["steps"] == 0
+    assert hub.summary.error and hub.summary.steps == 0
 
 
 def test_empty_data_and_one_shot_generators():

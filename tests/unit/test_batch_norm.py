@@ -4,15 +4,25 @@ says what to do when memory runs out at 2."""
 
 import pytest
 import torch
-from helpers import RequestAt, assert_same_buffers, assert_same_weights, thrashing_allocator, twins
+from helpers import (
+    RequestAt,
+    Sink,
+    assert_same_buffers,
+    assert_same_tensors,
+    assert_same_weights,
+    thrashing_allocator,
+    twins,
+)
 from torch import nn
 from torch.nn import functional as F
 
 import gputui
 from gputui.engine.microbatch import sizes, split
 from gputui.engine.oom import Buffers
-from gputui.telemetry.describe import BATCH_NORM_FLOOR, describe
-from gputui.tui.model import LocalSource, RunView
+from gputui.telemetry.controls import BATCH_NORM_FLOOR
+from gputui.telemetry.describe import describe
+from gputui.tui.sources import LocalSource
+from gputui.tui.view import RunView
 
 FLOOR_ERROR = "BatchNorm needs at least 2 samples per micro-batch, so it cannot be halved again"
 
@@ -112,7 +122,7 @@ def test_micro_batch_1_with_batch_norm_is_refused_before_training(hub):
 def test_norms_that_do_not_depend_on_the_batch_train_at_micro_batch_1(hub, make):
     model = make()
     result = gputui.fit(model, batches(2, 4), step, sgd(model), micro_batch=1)
-    assert result.steps == 2 and hub.info["batch_norm"] == 0 and hub.info["min_micro_batch"] == 1
+    assert result.steps == 2 and hub.info.batch_norm == 0 and hub.info.min_micro_batch == 1
     assert not any(e.name == "batch_norm_micro_batched" for e in result.events)
 
 
@@ -178,16 +188,7 @@ def test_a_last_micro_batch_of_1_joins_the_one_before_with_its_share_of_the_loss
 def test_the_halve_key_is_dimmed_at_the_floor_with_the_reason(hub):
     view, source, reasons = RunView(), LocalSource(hub), []
 
-    class Reader:  # the TUI's view of the run, read while it trains
-        def on_start(self, info):
-            pass
-
-        def on_event(self, event):
-            pass
-
-        def on_end(self, summary):
-            pass
-
+    class Reader(Sink):  # the TUI's view of the run, read while it trains
         def on_sample(self, sample):
             view.apply(source.poll())
             reasons.append(view.why_not("halve_batch", None))
@@ -208,8 +209,7 @@ def test_running_statistics_of_a_lazy_batch_norm_are_saved_once_it_has_them():
     x = torch.randn(4, 8)
     model(x)
     buffers.save()
-    before = [b.clone() for b in model.buffers()]
+    before = {name: b.clone() for name, b in model.named_buffers()}
     model(x)
     buffers.restore()
-    for a, b in zip(model.buffers(), before, strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert_same_tensors(dict(model.named_buffers()), before, atol=0, rtol=0)

@@ -1,0 +1,152 @@
+"""Every `gputui run` flag means the same for a fit() script and for a script with its own loop.
+
+The command-line settings reach both through one place (engine/session.py): these tests run the
+same tiny model both ways with each flag and compare what the run recorded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gputui import launch
+from gputui.probes import snapshot
+from gputui.telemetry.hub import Overrides
+from gputui.telemetry.setup import opened
+
+PRELUDE = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(64, 8), torch.randint(2, (64,))
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+"""
+
+SCRIPTS = {
+    "fit": PRELUDE
+    + """
+import gputui  # on the CPU, as the own loop trains: the same device either way, GPU or not
+print("fit starts")  # the optimizer above was made while the model is on the CPU, as scripts do
+gputui.fit(model, loader, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), opt, device="cpu")
+""",
+    "own_loop": PRELUDE
+    + """
+for xb, yb in loader:
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(xb), yb).backward()
+    opt.step()
+""",
+}
+MODES = {"fit": "fit", "own_loop": "observe"}
+
+
+def run(tmp_path, mode: str, *flags: str) -> subprocess.CompletedProcess:
+    script = tmp_path / f"{mode}.py"
+    script.write_text(textwrap.dedent(SCRIPTS[mode]))
+    env = {**os.environ, "GPUTUI_NO_SOCKET": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "gputui", "run", "--headless", *flags, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_metrics_and_memory_budget(tmp_path, mode):
+    done = run(tmp_path, mode, "--metrics", "m.jsonl", "--memory-budget", "64MiB")
+    assert done.returncode == 0, done.stderr
+    lines = records(tmp_path / "m.jsonl")
+    start, steps, end = lines[0], [r for r in lines if r["kind"] == "step"], lines[-1]
+    assert start["kind"] == "start" and start["mode"] == MODES[mode]
+    assert start["memory_budget"] == 64 * 2**20
+    assert len(steps) == 4 and {s["memory"]["capacity"] for s in steps} == {64 * 2**20}
+    assert end["kind"] == "end" and end["steps"] == 4 and end["error"] is None
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_a_memory_budget_too_small_fails_the_first_step_either_way(tmp_path, mode):
+    done = run(tmp_path, mode, "--metrics", "m.jsonl", "--memory-budget", "1KiB")
+    assert done.returncode == 1
+    # fit says why in one line; an own loop's OOM ends the script, with gputui's diagnosis after it
+    said = "is smaller than the model's parameters" if mode == "fit" else "gputui: out of memory in forward"
+    assert said in done.stderr
+    end = records(tmp_path / "m.jsonl")[-1]
+    assert end["kind"] == "end" and end["steps"] == 0 and end["error"]
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_gpu_memory_limit_without_cuda_is_the_same_one_line_error(tmp_path, mode):
+    done = run(tmp_path, mode, "--gpu-memory-limit", "1GiB")
+    assert done.returncode == 1
+    # a fit script is not stopped at its optimizer (fit may yet move the model to a GPU): fit says it
+    assert ("fit starts" in done.stdout) == (mode == "fit")
+    assert "gpu_memory_limit needs a CUDA device, not cpu" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_memory_history_on_a_device_without_it_changes_nothing(tmp_path, mode):
+    done = run(tmp_path, mode, "--memory-history", "--metrics", "m.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert records(tmp_path / "m.jsonl")[-1]["steps"] == 4
+    assert not (tmp_path / "gputui-snapshots").exists()
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_snapshot_dir_and_memory_history_reach_both_loops(tmp_path, monkeypatch, mode):
+    """CUDA snapshots, stood in for on this CPU: the folder a requested snapshot lands in, and the
+    history recorded from the start, are the command line's in both modes."""
+    started = []
+    monkeypatch.setattr(snapshot, "unavailable", lambda device: None)
+    monkeypatch.setattr(snapshot, "start_history", lambda: started.append(True))
+    monkeypatch.setattr(
+        snapshot,
+        "dump",
+        lambda folder, device, *, step, reason: {
+            "path": os.path.join(folder, "s.pickle"),
+            "summary_path": "",
+            "history": True,
+            "reason": reason,
+        },
+    )
+    script = tmp_path / f"{mode}.py"
+    script.write_text(textwrap.dedent(SCRIPTS[mode]))
+    monkeypatch.chdir(tmp_path)
+    overrides = Overrides(snapshot_dir=str(tmp_path / "snaps"), memory_history=True)
+    with opened(overrides, attachable=False) as hub:
+        hub.controls.request("snapshot")  # applied at the first step boundary
+        assert launch.run_script(str(script), [], observe=hub) == 0
+    saved = [e for e in hub.events() if e.name == "snapshot_saved"]
+    assert [e["path"] for e in saved] == [str(tmp_path / "snaps" / "s.pickle")]
+    assert started, "--memory-history did not start recording"
+    assert hub.info is not None and hub.info.mode == MODES[mode] and "snapshot" not in hub.info.refused
+
+
+@pytest.mark.parametrize("mode", SCRIPTS)
+def test_a_stop_request_ends_either_run_as_stopped_not_failed(tmp_path, monkeypatch, mode):
+    from helpers import RequestAt
+
+    script = tmp_path / f"{mode}.py"
+    script.write_text(textwrap.dedent(SCRIPTS[mode]))
+    monkeypatch.chdir(tmp_path)
+    with opened(attachable=False) as hub:
+        hub.add_sink(RequestAt(hub, 2, "stop"))
+        code = launch.run_script(str(script), [], observe=hub)
+    # fit returns after the step (the script goes on to its end); an own loop gets Ctrl-C's KeyboardInterrupt
+    assert code == (0 if mode == "fit" else 130)
+    summary = hub.summary
+    assert summary is not None and summary.steps == 2
+    assert summary.stopped and summary.stopped.startswith("requested") and summary.error is None
+    assert summary.outcome == "stopped"
