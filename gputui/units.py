@@ -1,4 +1,6 @@
-"""Byte sizes as people write them ("512MiB", "1.5GB", "8g") and as the panels print them.
+"""Byte sizes as people write them ("512MiB", "1.5GB", "8g"), and every figure as gputui prints it:
+bytes, durations, counts, readings with their unit. One module, so the progress line, the TUI and
+`gputui watch` write the same figure the same way.
 
 Pure Python so the CLI can validate `--memory-budget` before torch is imported.
 """
@@ -61,3 +63,41 @@ def format_bytes(n: int | float | None, *, missing: str = "n/a") -> str:
         return f"{sign}{int(n)} B"
     digits = 2 if n < 10 else 1 if n < 100 else 0
     return f"{sign}{n:.{digits}f} {unit}"
+
+
+def format_bytes_short(n: int | float | None) -> str:
+    """Binary size for narrow panels: 9.25G, 812M, 12K, 0B."""
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
+    return f"{n:.0f}B"
+
+
+def format_duration(seconds: float | None) -> str:
+    """A clock-like duration: 05:03, 1:02:09, 3d04:05:06 (hours and days only when there are some);
+    --:-- if unknown."""
+    if seconds is None:
+        return "--:--"
+    days, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    if days:
+        return f"{days}d{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_count(n: float) -> str:
+    """A large count in a few characters: 812, 12.3k, 124.4M, 1.5B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_figure(value: float | None, unit: str, spec: str = "") -> str:
+    """A reading with its unit ("61°C", "598 W" with spec ".0f"), or "n/a" where it is unknown
+    (NVML would not say, a probe does not read it)."""
+    return "n/a" if value is None else f"{value:{spec}}{unit}"

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from .probes.nvml import MIN_INTERVAL, NvmlPoller, read_gpus
 from .telemetry.sample import GpuDevice, GpuProcess
-from .units import format_bytes
+from .units import format_bytes, format_figure
 
 
 def run_once(as_json: bool, out: TextIO, err: TextIO) -> int:
@@ -53,20 +53,15 @@ def device_line(device: GpuDevice, degrees: str = "°C") -> str:
         return f"[{device.index}] error: {device.error}"
     fields = [
         f"[{device.index}] {device.name or 'n/a'}",
-        figure(device.temperature, degrees),
-        figure(device.utilization, " %"),
-        f"{figure(device.power, ' W', '.0f')} / {figure(device.power_limit, ' W', '.0f')}",
+        format_figure(device.temperature, degrees),
+        format_figure(device.utilization, " %"),
+        f"{format_figure(device.power, ' W', '.0f')} / {format_figure(device.power_limit, ' W', '.0f')}",
         f"{format_bytes(device.memory_used)} / {format_bytes(device.memory_total)}",
     ]
     line = " | ".join(fields)
     if device.processes:
         line += " | " + " ".join(_process(p) for p in device.processes)
     return line
-
-
-def figure(value: float | None, unit: str, spec: str = "") -> str:
-    """A reading with its unit, or "n/a" where NVML would not say."""
-    return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
 def _process(process: GpuProcess) -> str:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from gputui.launch import run_script  # noqa: E402
 from gputui.telemetry import hub as hubs  # noqa: E402
 from gputui.tui.app import GputuiApp  # noqa: E402
-from gputui.tui.model import LocalSource  # noqa: E402
+from gputui.tui.sources import LocalSource  # noqa: E402
 
 
 async def wait(pilot, condition, timeout: float = 120.0) -> None:

@@ -1,8 +1,10 @@
 """The Textual app: the main screen over a Source, keys that send controls, the script in a thread.
 
 The UI thread is the only one that touches widgets: a timer pulls from the source a few times a
-second (`--refresh`) and re-renders inside one batch_update. The training thread never waits
-on the UI: it publishes into the hub and drains controls at its step boundaries.
+second (`--refresh`), folds it into the RunView and has the panels whose data changed re-render,
+inside one batch_update. State goes down (each panel and screen is given the view or the output
+it shows), requests come up (screens post messages.py's messages). The training thread never
+waits on the UI: it publishes into the hub and drains controls at its step boundaries.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from .model import KEYS, OutputLog, RunView, Source
+from ..telemetry.sample import Event
+from .keys import BY_KEY, KEYS, Key, shown
+from .messages import RequestControl, ShowScreen
+from .output import OutputLog
 from .screens import (
     ConfirmQuit,
     FailureScreen,
@@ -34,7 +39,9 @@ from .screens import (
     Overlay,
     TopTensorsScreen,
 )
-from .widgets import GpuLine, HeaderBar, LogPanel, LossPanel, MemoryPanel, RemediesBar, Timeline
+from .sources import Source
+from .view import RunView
+from .widgets import GpuLine, HeaderBar, LogPanel, LossPanel, MemoryPanel, Panel, RemediesBar, Timeline
 
 Runner = Callable[[io.StringIO], int]
 """Runs the training script (writing any failure report to the stream); returns its exit code."""
@@ -49,13 +56,17 @@ class ScriptEnded(Message):
 class Actions(Provider):
     """The command palette: every key's action, with why it cannot act when it cannot."""
 
+    def _app(self) -> GputuiApp:
+        assert isinstance(self.app, GputuiApp)  # the provider is only listed in GputuiApp.COMMANDS
+        return self.app
+
     async def discover(self) -> Hits:
-        app: GputuiApp = self.app  # type: ignore[assignment]
+        app = self._app()
         for key, name, help in app.palette():
             yield DiscoveryHit(name, partial(app.act, key.action), help=help)
 
     async def search(self, query: str) -> Hits:
-        app: GputuiApp = self.app  # type: ignore[assignment]
+        app = self._app()
         matcher = self.matcher(query)
         for key, name, help in app.palette():
             score = matcher.match(name)
@@ -70,28 +81,37 @@ class MainScreen(Screen[None]):
         Binding(k.key, f"app.{k.action}", k.label, key_display="?" if k.key == "question_mark" else None) for k in KEYS
     ]
 
+    def __init__(self, view: RunView, source: Source, output: OutputLog) -> None:
+        super().__init__()
+        self.view, self.source, self.output = view, source, output
+
     def compose(self) -> ComposeResult:
-        yield HeaderBar(id="header")
+        yield HeaderBar(self.view, id="header")
         with Horizontal(id="panels"):
-            yield MemoryPanel(id="memory")
-            yield LossPanel(id="loss")
-        yield RemediesBar(id="remedies")
+            yield MemoryPanel(self.view, id="memory")
+            yield LossPanel(self.view, id="loss")
+        yield RemediesBar(self.view, self.source.watch_only, id="remedies")
         with Horizontal(id="bottom"):
-            yield Timeline(id="timeline")
-            yield LogPanel(id="log")
-        yield GpuLine(id="gpus")
+            yield Timeline(self.view, id="timeline")
+            yield LogPanel(self.output, id="log")
+        yield GpuLine(self.view, id="gpus")
         yield Footer()
 
-    ready = False
-    """True once the panels are mounted: pulls before that only fold data into the view."""
-
     def on_mount(self) -> None:
-        self.ready = True
         self.query_one("#memory").border_title = "memory"
         self.query_one("#loss").border_title = "loss"
         self.query_one("#timeline").border_title = "events"
         self.query_one("#log").border_title = "script output"
-        self.app.show()  # type: ignore[attr-defined]  # what was pulled before: layout from the first frame
+        self.update()  # what the app pulled before the panels were up: laid out from the first frame
+
+    def update(self) -> None:
+        """After a pull: the panels the run needs, each redrawn if what it shows changed."""
+        for log in self.query("#log"):  # query, not query_one: gone while the app closes
+            log.display = self.view.observed
+        for line in self.query("#gpus"):
+            line.display = self.view.gpus is not None
+        for panel in self.query(Panel):
+            panel.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.height < 30, "-short")
@@ -99,9 +119,9 @@ class MainScreen(Screen[None]):
 
     def on_key(self, event: events.Key) -> None:
         """A dimmed key does nothing, but says why."""
-        key = next((k for k in KEYS if k.key == event.key), None)
-        reason = self.app.why_not(key.action) if key is not None else None  # type: ignore[attr-defined]
-        if reason:
+        key = BY_KEY.get(event.key)
+        reason = self.view.why_not(key.action, self.source.watch_only) if key is not None else None
+        if key is not None and reason:
             self.notify(reason, title=key.label, severity="warning", timeout=4)
 
 
@@ -130,11 +150,11 @@ class GputuiApp(App[int]):
         self.script_code: int | None = None  # the script's exit code, once it has ended
         self._thread: threading.Thread | None = None
         self._quitting = False
-        self._oom_shown: Any = None
+        self._oom_shown: Event | None = None
         self._availability: tuple[str | None, ...] = ()
+        self.main = MainScreen(self.view, source, self.output)
 
     def on_mount(self) -> None:
-        self.main = MainScreen()
         self.push_screen(self.main)
         self.begin_capture_print(self)
         if self.runner is not None:
@@ -161,20 +181,15 @@ class GputuiApp(App[int]):
 
     # -- the pull --------------------------------------------------------------------------------
     def pull(self) -> None:
-        if not self.view.apply(self.source.poll()) and not self.view.training:
+        if not self.is_running:  # shutting down: the timer may tick while the screens are taken apart
             return
-        if self.main.ready:  # else pushed, not composed yet: its on_mount shows what was pulled
+        if self.view.apply(self.source.poll()) or self.view.training:
             self.show()
 
     def show(self) -> None:
-        """Render the view: every panel, which of them the run needs, and what follows from it."""
+        """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs)."""
         with self.batch_update():
-            for widget in self.main.query("#header, #memory, #loss, #remedies, #timeline, #log, #gpus"):
-                widget.refresh()
-            for log in self.main.query("#log"):
-                log.display = (self.view.info or {}).get("mode") == "observe"
-            for line in self.main.query("#gpus"):  # query, not query_one: gone while the app closes
-                line.display = self.view.gpus is not None
+            self.main.update()
             if isinstance(self.screen, Overlay):
                 self.screen.update()
         availability = tuple(self.why_not(k.action) for k in KEYS)
@@ -184,10 +199,7 @@ class GputuiApp(App[int]):
         oom = self.view.waiting_oom
         if oom is not None and oom is not self._oom_shown:
             self._oom_shown = oom
-            why = {
-                a: self.why_not(k)
-                for a, k in (("halve_batch", "halve_batch"), ("set_checkpointing", "toggle_checkpointing"))
-            }
+            why = {k.control: self.why_not(k.action) for k in KEYS if k.control}
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
 
     def on_script_ended(self, message: ScriptEnded) -> None:
@@ -198,7 +210,7 @@ class GputuiApp(App[int]):
         if self._quitting:
             self.exit(message.code)
         elif message.code:
-            self.push_screen(FailureScreen())
+            self.push_screen(FailureScreen(self.view))
 
     def on_print(self, event: events.Print) -> None:
         self.output.write(event.text)
@@ -210,21 +222,17 @@ class GputuiApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         return None if self.why_not(action) else True
 
-    def palette(self) -> list[tuple[Any, str, str]]:
+    def palette(self) -> list[tuple[Key, str, str]]:
+        """Every key as the command palette lists it: (key, name, help or why it cannot act now)."""
         rows = []
         for k in KEYS:
             reason = self.why_not(k.action)
-            rows.append(
-                (
-                    k,
-                    f"{k.label} ({'?' if k.key == 'question_mark' else k.key})",
-                    f"unavailable: {reason}" if reason else k.help,
-                )
-            )
+            rows.append((k, f"{k.label} ({shown(k)})", f"unavailable: {reason}" if reason else k.help))
         return rows
 
     async def act(self, action: str) -> None:
-        """Run an action by name, or say why it cannot run now (the palette's way in)."""
+        """Run an action by name, or say why it cannot run now: the palette's and the screens' way in.
+        A coroutine (run_action is one): the palette's command and the message handler await it."""
         reason = self.why_not(action)
         if reason:
             self.notify(reason, severity="warning", timeout=4)
@@ -239,6 +247,12 @@ class GputuiApp(App[int]):
             return
         self.view.requested(request, text or action.replace("_", " "))
         self.pull()
+
+    def on_request_control(self, message: RequestControl) -> None:
+        self.send(message.action, message.value, message.text)
+
+    async def on_show_screen(self, message: ShowScreen) -> None:
+        await self.act(message.name)
 
     def action_halve_batch(self) -> None:
         s = self.view.latest
@@ -270,15 +284,15 @@ class GputuiApp(App[int]):
 
     def action_top_tensors(self) -> None:
         self.send("top_tensors", text="top tensors")
-        self.push_screen(TopTensorsScreen())
+        self.push_screen(TopTensorsScreen(self.view))
 
     def action_memory(self) -> None:
-        if self.view.device.startswith("cuda") and self.view.training and not self.source.watch_only:
+        if self.view.training and not self.source.watch_only and "memory_summary" not in self.view.refused:
             self.send("memory_summary", text="memory summary")
-        self.push_screen(MemoryScreen())
+        self.push_screen(MemoryScreen(self.view))
 
     def action_log(self) -> None:
-        self.push_screen(LogScreen())
+        self.push_screen(LogScreen(self.output))
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -2,39 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..telemetry.client import Mirror
-from .model import Update
+from .sources import LocalSource, Update
 
 WATCH_ONLY = "watch-only: attach with --control to steer"
 
 
 class RemoteSource:
+    """The mirror's hub read as a local one, started over (with the job's history) at each connection."""
+
     def __init__(self, mirror: Mirror, *, control: bool) -> None:
         self.mirror = mirror
         self.watch_only = None if control else WATCH_ONLY
         self._generation = -1
-        self._cursor = (0, 0)
+        self._local = LocalSource(mirror.hub)
 
     def poll(self) -> Update:
         m = self.mirror
         reset = m.generation != self._generation
-        if reset:
-            self._generation, self._cursor = m.generation, (0, 0)
-        hub = m.hub
-        samples, events, self._cursor = hub.since(self._cursor)
-        return Update(
-            samples,
-            events,
-            hub.info,
-            hub.summary,
-            hub.gpu_poller.latest(),
-            hub.runs,
-            reset=reset,
-            history=m.history if reset else None,
-            banner=m.status,
-        )
+        if reset:  # a new connection replays into a fresh hub
+            self._generation, self._local = m.generation, LocalSource(m.hub)
+        update = self._local.poll()
+        return replace(update, reset=reset, history=m.history if reset else None, banner=m.status)
 
     def request(self, action: str, value: Any = None) -> int | None:
         return self.mirror.request(action, value)

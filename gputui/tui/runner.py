@@ -20,7 +20,8 @@ from typing import Any
 from .. import interrupts
 from ..launch import detach_from_terminal, run_script
 from .app import GputuiApp
-from .model import LocalSource, OutputLog
+from .output import OutputLog
+from .sources import LocalSource
 from .terminal import Terminal, guarded_terminal
 
 SCRIPT_TAIL = 15
@@ -30,7 +31,7 @@ SCRIPT_TAIL = 15
 UNWIND_S = 2.0
 """How long a script stopped at once gets to unwind before the process exits without it."""
 
-STOPS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+STOPS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 
 class _Terminated(SystemExit):

@@ -1,9 +1,13 @@
 """Screens over the main one: help, OOM dialog, top tensors, memory readings, the script's log,
-quit confirmation, and the failure report."""
+quit confirmation, and the failure report.
+
+Each is given what it shows (the RunView, the script's output) and asks the app for anything else
+with a message (messages.py): none knows the app.
+"""
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -12,12 +16,15 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Static
 
-from ..units import format_bytes
-from .model import KEYS, RunView
-from .widgets import ViewAccess
+from ..telemetry.sample import Event
+from ..units import format_bytes, format_figure
+from .keys import KEYS, shown
+from .messages import RequestControl, ShowScreen
+from .output import OutputLog
+from .view import RunView
 
 
-class Overlay(ViewAccess, Screen[None]):
+class Overlay(Screen[None]):
     """A full screen the user leaves with escape (or its own key again)."""
 
     BINDINGS = [Binding("escape", "dismiss", "back"), Binding("q", "dismiss", "back", show=False)]
@@ -37,7 +44,7 @@ class HelpScreen(Overlay):
         keys.add_column(style="bold", no_wrap=True)
         keys.add_column()
         for k in KEYS:
-            keys.add_row("?" if k.key == "question_mark" else k.key, k.help)
+            keys.add_row(shown(k), k.help)
         keys.add_row("ctrl+c", "Stop after the current step, then quit (twice: quit now).")
         keys.add_row("ctrl+p", "Command palette: every action above, searchable.")
         panels = Text.from_markup(
@@ -84,12 +91,12 @@ class OomScreen(ModalScreen[str | None]):
 
     def __init__(self, view: RunView, why_not: dict[str, str | None]) -> None:
         super().__init__()
-        self.view_state = view
-        self.why_not = why_not
+        self.view = view
+        self.why_not = why_not  # control action -> why it cannot act now (None: it can)
 
     def compose(self) -> ComposeResult:
-        e = self.view_state.waiting_oom
-        m = self.view_state.latest.memory if self.view_state.latest else None
+        e = self.view.waiting_oom
+        m = self.view.latest.memory if self.view.latest else None
         details = Text()
         if e is not None:
             details.append(
@@ -139,8 +146,9 @@ class OomScreen(ModalScreen[str | None]):
         self.dismiss(event.button.id)
 
     def action_pick(self, action: str) -> None:
-        if action and self.why_not.get(action):
-            self.app.notify(self.why_not[action], severity="warning")
+        reason = self.why_not.get(action) if action else None
+        if reason:
+            self.notify(reason, severity="warning")
             return
         self.dismiss(action or None)
 
@@ -150,20 +158,21 @@ class TopTensorsScreen(Overlay):
 
     def compose(self) -> ComposeResult:
         yield Static("Scanning the live tensors at the next step boundary…", id="top-status")
-        table = DataTable(id="top-table", zebra_stripes=True, cursor_type="row")
+        table: DataTable[str | Text] = DataTable(id="top-table", zebra_stripes=True, cursor_type="row")
         table.add_columns("bytes", "count", "shape", "dtype", "device", "role")
         yield table
         yield Footer()
 
-    def __init__(self) -> None:
+    def __init__(self, view: RunView) -> None:
         super().__init__()
-        self._shown = None  # the top_tensors event on screen
+        self.view = view
+        self._shown: Event | None = None  # the top_tensors event on screen
 
     def on_mount(self) -> None:
         self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
 
     def action_scan(self) -> None:
-        self.gapp.send("top_tensors")
+        self.post_message(RequestControl("top_tensors", text="top tensors"))
         self.query_one("#top-status", Static).update("Scanning again at the next step boundary…")
 
     def update(self) -> None:
@@ -175,7 +184,7 @@ class TopTensorsScreen(Overlay):
         e = self._shown
         if e is None:
             return
-        table = self.query_one("#top-table", DataTable)
+        table: DataTable[str | Text] = self.query_one("#top-table", DataTable)
         table.clear()
         for r in e["rows"]:
             table.add_row(
@@ -197,6 +206,11 @@ class TopTensorsScreen(Overlay):
 class MemoryScreen(Overlay):
     BINDINGS = [*Overlay.BINDINGS, Binding("m", "dismiss", "back", show=False)]
 
+    def __init__(self, view: RunView) -> None:
+        super().__init__()
+        self.view = view
+        self._shown: tuple[int, int, int, str | None] | None = None  # what the report on screen was made of
+
     def compose(self) -> ComposeResult:
         yield VerticalScroll(Static(id="memory-text"))
         yield Footer()
@@ -205,11 +219,15 @@ class MemoryScreen(Overlay):
         self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
 
     def update(self) -> None:
-        if self.is_mounted:
-            self.query_one("#memory-text", Static).update(memory_report(self.view))
+        v = self.view
+        key = (v.generation, v.samples_seen, v.ooms, v.cuda_summary)
+        if self.is_mounted and key != self._shown:
+            self._shown = key
+            self.query_one("#memory-text", Static).update(memory_report(v))
 
 
 def memory_report(v: RunView) -> Group:
+    """Every reading of the latest step with what it means, then torch's own summary (CUDA)."""
     s = v.latest
     if s is None:
         return Group(Text("No step yet.", style="dim"))
@@ -247,17 +265,15 @@ def memory_report(v: RunView) -> Group:
             table.add_row(name, format_bytes(value), meaning)
     table.add_row(
         "alloc retries",
-        str(m.alloc_retries if m.alloc_retries is not None else "n/a"),
+        format_figure(m.alloc_retries, ""),
         "the allocator freed its cache to satisfy a request: slow, a warning sign",
     )
     table.add_row("OOMs", str(v.ooms), "seen in this run (recovered or not)")
     if s.host is not None:
         h = s.host
         table.add_row("system memory", f"{format_bytes(h.system_used)} / {format_bytes(h.system_total)}", "host")
-        table.add_row(
-            "CPU", f"{h.cpu_percent:.0f} %" if h.cpu_percent is not None else "n/a", "this process, 100% = one core"
-        )
-    parts = [Text(f"Memory at step {s.step} on {m.device}", style="bold underline"), table]
+        table.add_row("CPU", format_figure(h.cpu_percent, " %", ".0f"), "this process, 100% = one core")
+    parts: list[RenderableType] = [Text(f"Memory at step {s.step} on {m.device}", style="bold underline"), table]
     if v.cuda_summary:
         parts += [Text(""), Text("torch.cuda.memory_summary()", style="bold underline"), Text(v.cuda_summary)]
     return Group(*parts)
@@ -273,8 +289,9 @@ class LogScreen(Overlay):
         yield Static(id="output-current")  # a line still being redrawn (a progress bar): it changes in place
         yield Footer()
 
-    def __init__(self) -> None:
+    def __init__(self, output: OutputLog) -> None:
         super().__init__()
+        self.output = output
         self._position = 0  # lines of the output already shown
 
     def on_mount(self) -> None:
@@ -283,17 +300,17 @@ class LogScreen(Overlay):
     def update(self) -> None:
         if not self.is_mounted:
             return
-        lines, self._position = self.gapp.output.since(self._position)
+        lines, self._position = self.output.since(self._position)
         log = self.query_one(RichLog)
-        for line in lines:
-            log.write(line)
-        current = self.gapp.output.current
+        for text in lines:
+            log.write(text)
+        current = self.output.current
         line = self.query_one("#output-current", Static)
         if current:
             line.update(Text(current, no_wrap=True, overflow="ellipsis"))
-        elif not self.gapp.output.total:
+        elif not self.output.total:
             line.update(Text("the script has printed nothing yet: its stdout and stderr appear here", style="dim"))
-        line.display = bool(current) or not self.gapp.output.total
+        line.display = bool(current) or not self.output.total
 
 
 class ConfirmQuit(ModalScreen[bool]):
@@ -325,9 +342,16 @@ class FailureScreen(Overlay):
 
     BINDINGS = [
         Binding("escape", "dismiss", "figures"),
-        Binding("l", "app.log", "output"),
+        Binding("l", "show('log')", "output"),
         Binding("q", "app.quit", "quit"),
     ]  # as its text says (the main screen's keys are not bound here)
+
+    def __init__(self, view: RunView) -> None:
+        super().__init__()
+        self.view = view
+
+    def action_show(self, name: str) -> None:
+        self.post_message(ShowScreen(name))
 
     def compose(self) -> ComposeResult:
         v = self.view

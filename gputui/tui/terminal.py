@@ -93,7 +93,12 @@ def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
     tty_in, tty_out, tty_err = terminal.fds
     sys.__stdin__ = open(tty_in, closefd=False)  # type: ignore[misc]
     sys.__stdout__, sys.__stderr__ = (  # type: ignore[misc]
-        _Screen(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=stream.encoding, errors=stream.errors)
+        _Screen(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+            # Python's own default when it started with the stream closed (sys.__stdout__ is None)
+            encoding=stream.encoding if stream else "utf-8",
+            errors=stream.errors if stream else "strict",
+        )
         for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2]))
     )
 

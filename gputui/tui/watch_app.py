@@ -22,9 +22,8 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Footer, Static
 
 from ..telemetry.sample import GpuDevice, GpuProcess, GpuReading
-from ..units import format_bytes
-from ..watch import figure
-from .widgets import gib, gpu_summary
+from ..units import format_bytes, format_bytes_short, format_figure
+from .widgets import gpu_summary
 
 
 class Poller(Protocol):
@@ -35,13 +34,13 @@ Row = tuple[int, GpuProcess]
 """One line of the process table: the GPU's index and the process NVML sees on it."""
 
 
-def _memory_first(row: Row) -> tuple:
+def _memory_first(row: Row) -> tuple[bool, int, int, int]:
     """Largest first; hidden figures (containers, no permission) last, not mistaken for zero."""
     gpu, p = row
     return p.gpu_memory is None, -(p.gpu_memory or 0), gpu, p.pid
 
 
-SORTS: dict[str, Callable[[Row], tuple]] = {
+SORTS: dict[str, Callable[[Row], tuple[int | bool, ...]]] = {
     "memory": _memory_first,
     "pid": lambda row: (row[1].pid, row[0]),
     "gpu": lambda row: (row[0], *_memory_first(row)),
@@ -81,15 +80,15 @@ def device_block(d: GpuDevice, width: int, name_width: int) -> list[Text]:
     """Two lines: name, utilisation, temperature, power; then memory as a bar across the width."""
     if d.error is not None:
         return [gpu_summary(d)]
-    size = format_bytes if width >= 60 else gib
+    size = format_bytes if width >= 60 else format_bytes_short
     label = f"GPU{d.index} "
     name = (d.name or "n/a").removeprefix("NVIDIA ")[:name_width]
     head = Text(no_wrap=True, overflow="ellipsis")
     head.append(label, style="bold").append(f"{name:<{name_width}}  util ")
-    head.append(f"{figure(d.utilization, '%'):>4} ", style="bold")
+    head.append(f"{format_figure(d.utilization, '%'):>4} ", style="bold")
     head.append_text(bar(None if d.utilization is None else d.utilization / 100, UTIL_CELLS, "green"))
-    head.append(f"  {figure(d.temperature, '°C'):>5}")
-    head.append(f"  {figure(d.power, ' W', '.0f')} / {figure(d.power_limit, ' W', '.0f')}")
+    head.append(f"  {format_figure(d.temperature, '°C'):>5}")
+    head.append(f"  {format_figure(d.power, ' W', '.0f')} / {format_figure(d.power_limit, ' W', '.0f')}")
     share = d.memory_used / d.memory_total if d.memory_used is not None and d.memory_total else None
     figures = f" {size(d.memory_used)} / {size(d.memory_total)}"
     if share is not None:
@@ -100,10 +99,12 @@ def device_block(d: GpuDevice, width: int, name_width: int) -> list[Text]:
 
 
 class DeviceList(Widget):
-    """Every GPU of the app's reading; rendered at the widget's width, so the bars follow a resize."""
+    """Every GPU of the reading it is given; rendered at the widget's width, so the bars follow a resize."""
+
+    reading: GpuReading | None = None
 
     def render(self) -> RenderableType:
-        reading: GpuReading | None = self.app.reading  # type: ignore[attr-defined]
+        reading = self.reading
         if reading is None:
             return Text("waiting for the first reading…", style="dim")
         if not reading.devices:
@@ -213,6 +214,7 @@ class WatchApp(App[int]):
             )
             self.query_one("#status").display = status is not None
             devices = self.query_one(DeviceList)
+            devices.reading = reading
             devices.display = status is None
             devices.refresh(layout=True)
             table = self.query_one(DataTable)
@@ -227,7 +229,7 @@ class WatchApp(App[int]):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.reading.t))
         return text.append(f"│ driver {self.reading.driver or 'n/a'} │ {stamp}")
 
-    def _fill(self, table: DataTable) -> None:
+    def _fill(self, table: DataTable[str | Text]) -> None:
         """Rebuild the rows in the current order; the cursor stays on the process it was on."""
         rows = [] if self.reading is None else process_rows(self.reading, self.sort)
         kept = table.coordinate_to_cell_key(table.cursor_coordinate).row_key if table.row_count else None

@@ -1,113 +1,108 @@
-"""The main screen's panels. Each renders from the app's RunView on every refresh; none holds state."""
+"""The main screen's panels. Each is given what it shows (the RunView, the script's output) and
+renders from it; the screen asks each to redraw after a pull, which it does only when the key of
+what it shows (`shows()`) changed since it last drew."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable
 
 from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widget import Widget
 
 from ..telemetry.sample import GpuDevice, HostReading, Memory
-from ..units import format_bytes
+from ..units import format_bytes, format_bytes_short, format_duration, format_figure
 from .chart import Series, plot, smooth
-from .model import RunView
-
-if TYPE_CHECKING:
-    from .app import GputuiApp
+from .keys import KEYS
+from .output import OutputLog
+from .view import RunView
 
 # Segment styles of the memory bar (readable on dark and light themes: Rich named colours).
 ALLOCATED, FRAGMENTED, CACHED, OTHER, FREE = "bold blue", "bold yellow", "cyan", "magenta", "dim"
 WARN_AT = 0.90  # of capacity: the panel warns when the step peak passes it
 
 
-def gib(n: int | float | None) -> str:
-    """Compact binary size for narrow panels: 9.25G, 812M, 12K."""
-    if n is None:
-        return "n/a"
-    n = float(n)
-    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
-    return f"{n:.0f}B"
+class Panel(Widget):
+    """A widget drawn from data it was given; redrawn only when that data changed."""
+
+    _drawn: Hashable = None
+
+    def shows(self) -> Hashable:
+        """A cheap key of what the panel shows: the same key, the same picture."""
+        raise NotImplementedError
+
+    def redraw(self) -> None:
+        """Refresh if what the panel shows changed since it last drew (a resize redraws by itself)."""
+        key = self.shows()
+        if key != self._drawn:
+            self._drawn = key
+            self.refresh()
 
 
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "--:--"
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+class RunPanel(Panel):
+    def __init__(self, view: RunView, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.view = view
 
 
-class ViewAccess:
-    """For widgets and screens of a GputuiApp: its view, and the app with its type."""
-
-    app: Any
-
-    @property
-    def view(self) -> RunView:
-        return self.app.view
-
-    @property
-    def gapp(self) -> GputuiApp:
-        return self.app
-
-
-class Panel(ViewAccess, Widget):
-    """A widget that renders from the app's view."""
-
-
-class HeaderBar(Panel):
+class HeaderBar(RunPanel):
     """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...)."""
 
-    def render(self) -> RenderableType:
+    STATUS_STYLES = {
+        "training": "bold green",
+        "failed": "bold red",
+        "OOM: waiting": "bold red",
+        "paused": "bold yellow",
+        "stopping": "bold yellow",
+    }
+
+    def parts(self) -> list[tuple[int, str, str]]:
+        """(priority: lower survives longer, text, style), in display order, cut to the width."""
         v = self.view
-        info = v.info or {}
         s = v.latest
         status = v.status
-        status_style = {
-            "training": "bold green",
-            "failed": "bold red",
-            "OOM: waiting": "bold red",
-            "paused": "bold yellow",
-            "stopping": "bold yellow",
-        }.get(status, "bold")
-        device = (info.get("device_name") or "…").removeprefix("NVIDIA ")
-        # (priority: lower survives longer, text, style), in display order
+        device = (v.device_name or "…").removeprefix("NVIDIA ")
         parts: list[tuple[int, str, str]] = [
             (0, " gputui ", "bold reverse"),
             (0, f" {v.name} ", "bold"),
             (5, f"│ {device} ", ""),
             (0, "│ ", ""),
-            (0, status, status_style),
+            (0, status, self.STATUS_STYLES.get(status, "bold")),
         ]
         if s is not None:
-            total, epochs = info.get("total_steps"), info.get("epochs")
+            total, epochs = v.total_steps, v.epochs
             parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
-            if info.get("mode") != "observe" or s.epoch:  # an own loop's, once a pass of its data ended
+            if not v.observed or s.epoch:  # an own loop's, once a pass of its data ended
                 parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
             if s.samples_per_s:
                 parts.append((2, f" │ {s.samples_per_s:,.0f} samples/s", ""))
             elif s.steps_per_s:
                 parts.append((2, f" │ {s.steps_per_s:,.1f} steps/s", ""))
         if v.eta is not None:
-            parts.append((3, f" │ ETA {duration(v.eta)}", ""))
-        parts.append((6, f" │ {duration(v.elapsed)}", "dim"))
+            parts.append((3, f" │ ETA {format_duration(v.eta)}", ""))
+        parts.append((6, f" │ {format_duration(v.elapsed)}", "dim"))
         width = self.content_size.width or 80
         while sum(len(t) for _, t, _ in parts) > width and max(p for p, _, _ in parts) > 0:
             drop = max(p for p, _, _ in parts)
             parts = [part for part in parts if part[0] != drop]
+        return parts
+
+    def shows(self) -> Hashable:
+        return tuple(self.parts())
+
+    def render(self) -> RenderableType:
         text = Text(no_wrap=True, overflow="ellipsis")
-        for _, part, style in parts:
+        for _, part, style in self.parts():
             text.append(part, style=style)
         return text
 
 
-class MemoryPanel(Panel):
+class MemoryPanel(RunPanel):
     """The device's capacity as one bar, the figures beside it, and the run's memory history."""
+
+    def shows(self) -> Hashable:
+        return self.view.generation, self.view.samples_seen, self.view.ooms
 
     def render(self) -> RenderableType:
         v = self.view
@@ -127,7 +122,7 @@ class MemoryPanel(Panel):
             series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
             series += [Series(h.peak.values, "yellow", peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
             top = m.capacity if m.capacity and m.capacity < 2 * max(h.peak.values or [0]) else None
-            lines.extend(plot(series, width, rows, low=0, high=top, label=gib))
+            lines.extend(plot(series, width, rows, low=0, high=top, label=format_bytes_short))
             lines.append(axis(h.allocated.steps, width))
         return Group(*lines)
 
@@ -168,7 +163,7 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
 
 def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = None) -> list[Text]:
     long = width >= 56
-    size = format_bytes if long else gib
+    size = format_bytes if long else format_bytes_short
     capacity = f" of {size(m.capacity)}" if m.capacity else ""
     if m.reserved is not None:
         first = Text(no_wrap=True, overflow="ellipsis")
@@ -227,7 +222,10 @@ def axis(steps: list[int], width: int, gutter: int = 8) -> Text:
     return Text(" " * gutter + left + " " * pad + right, style="dim", no_wrap=True)
 
 
-class LossPanel(Panel):
+class LossPanel(RunPanel):
+    def shows(self) -> Hashable:
+        return self.view.generation, self.view.samples_seen
+
     def render(self) -> RenderableType:
         v = self.view
         width, height = self.content_size.width, self.content_size.height
@@ -254,23 +252,44 @@ class LossPanel(Panel):
         return Group(*lines)
 
 
-class RemediesBar(Panel):
+OWN_LOOP_KEYS = (
+    ("f", "free_cache", "free cache"),
+    ("s", "snapshot", "snapshot"),
+    ("t", "top_tensors", "top tensors"),
+    ("p", "toggle_pause", "pause"),
+)
+"""The own-loop bar's keys: it has no micro-batch, AMP or checkpointing of gputui's to show (a key
+the run refuses is dimmed, and says why when pressed)."""
+
+
+class RemediesBar(RunPanel):
+    """The remedies in force, each after its key (dimmed when it cannot act now)."""
+
+    def __init__(self, view: RunView, watch_only: str | None, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self.watch_only = watch_only
+
+    def shows(self) -> Hashable:
+        v, s = self.view, self.view.latest
+        batch = (s.micro_batch, s.accumulation, s.batch_size) if s else None
+        dimmed = tuple(v.why_not(k.action, self.watch_only) is not None for k in KEYS if k.control)
+        return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed
+
     def render(self) -> RenderableType:
         v = self.view
         s = v.latest
         text = Text(no_wrap=True, overflow="ellipsis")
-        watch_only = self.gapp.source.watch_only
 
         def key(k: str, action: str) -> None:
-            dim = v.why_not(action, watch_only) is not None
+            dim = v.why_not(action, self.watch_only) is not None
             text.append(f"[{k}]", style="dim" if dim else "bold reverse")
             text.append(" ")
 
         wide = self.content_size.width >= 90
-        if (v.info or {}).get("mode") == "observe":
+        if v.observed:
             text.append("own loop, observed: ", style="bold")
-            for k, label in (("f", "free cache"), ("s", "snapshot"), ("t", "top tensors"), ("p", "pause")):
-                key(k, {"f": "free_cache", "s": "snapshot", "t": "top_tensors", "p": "toggle_pause"}[k])
+            for k, action, label in OWN_LOOP_KEYS:
+                key(k, action)
                 text.append(f"{label}  ")
             text.append("· b a c o need gputui.fit (README: Adopting fit)", style="dim")
             return text
@@ -284,7 +303,7 @@ class RemediesBar(Panel):
         gap = "   " if wide else "  "
         text.append(gap)
         key("a", "cycle_amp")
-        text.append(f"AMP {s.amp if s else (v.info or {}).get('amp', '–')}", style="bold")
+        text.append(f"AMP {v.amp or '–'}", style="bold")
         text.append(gap)
         key("c", "toggle_checkpointing")
         text.append(f"{'checkpointing' if wide else 'ckpt'} {'on' if v.checkpointing else 'off'}", style="bold")
@@ -296,7 +315,7 @@ class RemediesBar(Panel):
         return text
 
 
-class Timeline(Panel):
+class Timeline(RunPanel):
     STYLES = {
         "requested": "dim italic",
         "applied": "green",
@@ -305,6 +324,9 @@ class Timeline(Panel):
         "error": "bold red",
         "info": "",
     }
+
+    def shows(self) -> Hashable:
+        return self.view.generation, self.view.entries
 
     def render(self) -> RenderableType:
         v = self.view
@@ -324,9 +346,16 @@ class Timeline(Panel):
 class LogPanel(Panel):
     """The script's latest output lines (own-loop runs show it on the main screen)."""
 
+    def __init__(self, output: OutputLog, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.output = output
+
+    def shows(self) -> Hashable:
+        return self.output.total, self.output.current
+
     def render(self) -> RenderableType:
         height, width = max(1, self.content_size.height), max(1, self.content_size.width)
-        lines = self.gapp.output.tail(height)
+        lines = self.output.tail(height)
         if not lines:
             return Text("the script's output appears here", style="dim")
         # Each line from its start, wrapped as a terminal would; the newest rows at the bottom.
@@ -334,8 +363,11 @@ class LogPanel(Panel):
         return Text("\n").join(rows[-height:])
 
 
-class GpuLine(Panel):
+class GpuLine(RunPanel):
     """NVML's view of the GPUs: the training device first, with the gap PyTorch cannot see."""
+
+    def shows(self) -> Hashable:
+        return self.view.gpus
 
     def render(self) -> RenderableType:
         reading = self.view.gpus
@@ -356,12 +388,9 @@ def gpu_summary(d: GpuDevice) -> Text:
     text.append(f"GPU{d.index} ", style="bold")
     if d.error:
         return text.append(d.error, style="red")
-    na = "n/a"
     text.append(f"{(d.name or '').removeprefix('NVIDIA ')} ")
-    text.append(f"{d.utilization if d.utilization is not None else na}% ")
-    text.append(f"{d.temperature if d.temperature is not None else na}°C ")
-    power = f"{d.power:.0f}" if d.power is not None else na
-    limit = f"{d.power_limit:.0f}" if d.power_limit is not None else na
-    text.append(f"{power}/{limit}W ")
-    text.append(f"used {gib(d.memory_used)}/{gib(d.memory_total)}")
+    text.append(f"{format_figure(d.utilization, '%')} ")
+    text.append(f"{format_figure(d.temperature, '°C')} ")
+    text.append(f"{format_figure(d.power, '', '.0f')}/{format_figure(d.power_limit, '', '.0f')}W ")
+    text.append(f"used {format_bytes_short(d.memory_used)}/{format_bytes_short(d.memory_total)}")
     return text

@@ -6,7 +6,7 @@ from rich.console import Group
 
 from gputui.launch import run_script
 from gputui.tui.app import GputuiApp
-from gputui.tui.model import LocalSource
+from gputui.tui.sources import LocalSource
 
 SCRIPT = """
 import sys, time

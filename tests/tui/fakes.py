@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
+from gputui.telemetry.run import RunInfo
 from gputui.telemetry.sample import Event, GpuDevice, GpuProcess, GpuReading, HostReading, Memory, StepSample
-from gputui.tui.model import Update
+from gputui.tui.sources import Update
 
 GiB, MiB = 2**30, 2**20
 T0 = 1_795_000_000.0  # a fixed wall-clock start: timeline times are stable (with TZ=UTC)
@@ -106,23 +107,19 @@ GPUS = GpuReading(
 )
 
 
-def info(device: str, name: str, **extra) -> dict:
-    return {
-        "device": device,
-        "device_name": name,
-        "model": "GPT",
-        "params": 124_000_000,
-        "epochs": 4,
-        "total_steps": 1000,
-        "steps_per_epoch": 250,
-        "micro_batch": None,
-        "amp": "bf16",
-        "checkpointing": False,
-        "checkpointing_unavailable": None,
-        "auto_recover": True,
-        "memory_budget": None,
-        **extra,
-    }
+def info(device: str, name: str, **extra) -> RunInfo:
+    fields = dict(
+        device=device,
+        device_name=name,
+        model="GPT",
+        params=124_000_000,
+        epochs=4,
+        total_steps=1000,
+        steps_per_epoch=250,
+        amp="bf16",
+        auto_recover=True,
+    )
+    return RunInfo(**{**fields, **extra})
 
 
 def cuda_events() -> list[Event]:
@@ -180,6 +177,13 @@ def cuda_run(steps: int = 300) -> FakeSource:
     )
 
 
+CPU_REFUSES = {  # what the engine's session refuses on a CPU
+    "snapshot": "memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
+    "which shows what holds memory",
+    "memory_summary": "memory_summary() is a CUDA allocator report",
+}
+
+
 def cpu_run(steps: int = 120) -> FakeSource:
     events = [
         Event(
@@ -206,6 +210,6 @@ def cpu_run(steps: int = 120) -> FakeSource:
             total_steps=400,
             epochs=2,
             amp="off",
-            checkpointing_unavailable=None,
+            refused=CPU_REFUSES,
         ),
     )

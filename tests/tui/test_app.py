@@ -68,12 +68,19 @@ async def test_log_screen_shows_what_the_script_printed(make_app, hub):
     ],
 )
 async def test_remedy_keys(make_app, hub, key, event, shown):
+    """Each remedy key sends its control, the engine applies it, and the screen says so."""
     app = make_app()
     async with app.run_test(size=(120, 30)) as pilot:
         await started(pilot, app, hub)
         await pilot.press(key)
+        assert "→ requested:" in text(app, "#timeline")  # at once, before the loop answers
         await until(pilot, lambda: event in names(hub))
-        await until(pilot, lambda: shown in text(app, "#remedies") + text(app, "#timeline"))
+        answer = next(e for e in hub.events() if e.name == event)
+        await until(pilot, lambda: not app.view.pending)  # the answer reached the view
+        timeline = text(app, "#timeline")
+        assert answer["source"] == "tui" and answer["request_id"] is not None
+        assert shown in text(app, "#remedies") + timeline, timeline
+        assert "applied after step" in timeline
 
 
 async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
@@ -104,7 +111,7 @@ async def test_dimmed_key_does_nothing_and_says_why(make_app, hub):
         await pilot.pause(0.3)
         assert not [e for e in hub.events() if e.name in ("micro_batch_changed", "control_refused")]
         assert said[0] == "the micro-batch is already 1"
-        assert said[1].startswith("memory snapshots are a CUDA feature")
+        assert said[1].startswith("memory snapshots are a CUDA allocator feature")  # the run's own reason
 
 
 async def test_quit_asks_once_then_stops_after_the_step_and_the_script_saves(make_app, hub, tmp_path):

@@ -9,6 +9,7 @@ from conftest import text, until
 
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
+from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, StepSample
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
@@ -23,15 +24,14 @@ def job(tmp_path, monkeypatch):
     server = TelemetryServer(hub).start()
     stop = threading.Event()
     hub.start(
-        {
-            "device": "cpu",
-            "device_name": "CPU",
-            "argv": ["/home/ada/train.py", "--lr", "3"],
-            "pid": 4242,
-            "total_steps": 10_000,
-            "checkpointing_unavailable": None,
-            "auto_recover": True,
-        }
+        RunInfo(
+            device="cpu",
+            device_name="CPU",
+            argv=("/home/ada/train.py", "--lr", "3"),
+            pid=4242,
+            total_steps=10_000,
+            auto_recover=True,
+        )
     )
 
     def train():
@@ -70,7 +70,7 @@ def job(tmp_path, monkeypatch):
                 )
             )
             time.sleep(0.02)
-        hub.end({"steps": step, "samples": step * 64, "error": None, "stopped": "requested", "elapsed_s": 3.0})
+        hub.end(RunSummary(steps=step, samples=step * 64, stopped="requested", elapsed_s=3.0))
 
     thread = threading.Thread(target=train, daemon=True)
     thread.start()

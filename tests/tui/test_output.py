@@ -4,8 +4,9 @@ from conftest import text, until
 from textual.widgets import RichLog, Static
 
 from gputui.tui.app import GputuiApp
-from gputui.tui.model import LocalSource, OutputLog
+from gputui.tui.output import OutputLog
 from gputui.tui.screens import LogScreen
+from gputui.tui.sources import LocalSource
 
 
 def test_carriage_return_redraws_one_line_until_its_newline():

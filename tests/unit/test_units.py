@@ -1,6 +1,6 @@
 import pytest
 
-from gputui.units import format_bytes, parse_size
+from gputui.units import format_bytes, format_bytes_short, format_count, format_duration, format_figure, parse_size
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,54 @@ def test_parse_size_rejects(text):
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (None, "n/a"),
+        (0, "0B"),
+        (812, "812B"),
+        (12 * 2**10, "12.0K"),
+        (812 * 2**20, "812M"),
+        (9.25 * 2**30, "9.25G"),
+        (80 * 2**30, "80.0G"),
+        (2 * 2**40, "2.00T"),
+        (-3 * 2**20, "-3.00M"),
+    ],
+)
+def test_format_bytes_short(n, text):
+    assert format_bytes_short(n) == text
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (None, "--:--"),
+        (0, "00:00"),
+        (59.9, "00:59"),
+        (303, "05:03"),
+        (3600, "1:00:00"),
+        (3729, "1:02:09"),
+        (86399, "23:59:59"),
+        (90061, "1d01:01:01"),
+        (360000, "4d04:00:00"),
+    ],
+)
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    "n, text", [(0, "0"), (812, "812"), (999.4, "999"), (12_345, "12.3k"), (124_400_000, "124.4M"), (1.5e9, "1.5B")]
+)
+def test_format_count(n, text):
+    assert format_count(n) == text
+
+
+@pytest.mark.parametrize(
+    "value, unit, spec, text",
+    [(None, "°C", "", "n/a"), (61, "°C", "", "61°C"), (598.4, " W", ".0f", "598 W"), (0, "%", "", "0%")],
+)
+def test_format_figure(value, unit, spec, text):
+    assert format_figure(value, unit, spec) == text

@@ -1,0 +1,1 @@
+"""The Textual app: never imports torch (nor the engine)."""

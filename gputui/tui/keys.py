@@ -1,0 +1,85 @@
+"""The main screen's keys: one table for the footer, the help screen, the palette and the view's checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Key:
+    key: str
+    action: str
+    label: str
+    help: str
+    control: str | None = None
+    """The control it sends to the training loop (telemetry.controls.ACTIONS), so the run's `refused`
+    says when it cannot act; None for the keys that only open a screen."""
+
+
+KEYS = (
+    Key(
+        "b",
+        "halve_batch",
+        "halve",
+        "Halve the micro-batch: accumulation doubles, the global batch, sampler and LR schedule stay as they are.",
+        "halve_batch",
+    ),
+    Key(
+        "B",
+        "double_batch",
+        "double",
+        "Double the micro-batch (up to the global batch): faster, more memory.",
+        "double_batch",
+    ),
+    Key("a", "cycle_amp", "AMP", "Cycle mixed precision: off -> bf16 -> fp16 (with a GradScaler) -> off.", "set_amp"),
+    Key(
+        "c",
+        "toggle_checkpointing",
+        "ckpt",
+        "Activation checkpointing on the model's repeated blocks: "
+        "recompute activations in backward instead of keeping them (less memory, ~30% more compute).",
+        "set_checkpointing",
+    ),
+    Key(
+        "f",
+        "free_cache",
+        "free",
+        "gc.collect() + torch.cuda.empty_cache(): return cached blocks to the "
+        "device (helps other processes; adds no capacity to this one).",
+        "free_cache",
+    ),
+    Key(
+        "o",
+        "toggle_auto_recover",
+        "auto",
+        "Auto-recover: on OOM halve the micro-batch and retry the same batch; off: pause and ask.",
+        "set_auto_recover",
+    ),
+    Key("p", "toggle_pause", "pause", "Pause after the current step / resume.", "pause"),
+    Key(
+        "s",
+        "snapshot",
+        "snap",
+        "CUDA memory snapshot: a pickle for pytorch.org/memory_viz and memory_summary() as text.",
+        "snapshot",
+    ),
+    Key(
+        "t",
+        "top_tensors",
+        "tensors",
+        "The live tensors grouped by shape, dtype and role, largest first.",
+        "top_tensors",
+    ),
+    Key("m", "memory", "memory", "Every memory reading, with what each one means."),
+    Key("l", "log", "log", "The script's own output (stdout and stderr)."),
+    Key("question_mark", "help", "help", "This help."),
+    Key("q", "quit", "quit", "Quit: asks first while training, then stops after the current step."),
+)
+
+BY_ACTION = {k.action: k for k in KEYS}
+BY_KEY = {k.key: k for k in KEYS}
+
+
+def shown(key: Key) -> str:
+    """The key as the user types it ("?" rather than Textual's "question_mark")."""
+    return "?" if key.key == "question_mark" else key.key

@@ -1,0 +1,271 @@
+"""What the screen shows, folded from a Source's updates. No textual, no torch.
+
+The panels only render a RunView, and it is the one reader of the run's info and summary: a
+panel asks it (`observed`, `total_steps`, `why_not`...), never the records. Tests drive one with
+plain samples and events (tests/tui/test_view.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
+from ..telemetry.describe import describe
+from ..telemetry.history import RunSeries
+from ..telemetry.run import RunInfo, RunSummary
+from ..telemetry.sample import Event, GpuReading, StepSample
+from .keys import BY_ACTION
+from .sources import Update
+
+KINDS = {
+    "control_refused": "refused",
+    "oom": "oom",
+    "oom_recovered": "oom",
+    "thrashing": "oom",
+    "error": "error",
+    "loss_not_finite": "error",
+}
+"""The timeline's colour of an event; any other is "applied" if it answers a request, else "info"."""
+
+
+@dataclass
+class Entry:
+    """One line of the timeline."""
+
+    t: float
+    step: int
+    text: str
+    kind: str  # requested, applied, refused, oom, error, info
+
+
+@dataclass
+class RunView:
+    clock: Callable[[], float] = time.monotonic
+    script: str = ""
+    info: RunInfo | None = None
+    summary: RunSummary | None = None
+    latest: StepSample | None = None
+    first: StepSample | None = None
+    gpus: GpuReading | None = None
+    runs: int = 0
+    series: RunSeries = field(default_factory=RunSeries)
+    timeline: deque[Entry] = field(default_factory=lambda: deque(maxlen=500))
+    pending: dict[int, str] = field(default_factory=dict)
+    paused: bool = False
+    auto_recover: bool = True
+    stopping: bool = False
+    waiting_oom: Event | None = None
+    top: Event | None = None
+    cuda_summary: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    failure: str | None = None  # the script's traceback, or why it could not start
+    ooms: int = 0
+    banner: str | None = None  # attach: disconnected, reconnecting, the job ended...
+    remote: bool = False  # attached to a job in another process
+    # Counters that only grow: a panel compares them with what it last drew to skip a re-render.
+    generation: int = 0  # runs started over (a new fit, a reconnection)
+    samples_seen: int = 0
+    entries: int = 0  # timeline lines ever added
+
+    # -- folding updates ------------------------------------------------------------------------
+    def apply(self, update: Update) -> bool:
+        """Fold an update in; True if anything changed (the widgets then re-render)."""
+        changed = update.banner != self.banner
+        self.banner = update.banner
+        if update.runs != self.runs or update.reset:
+            if update.reset:  # the job replays its recent events: start the timeline over too
+                self.timeline.clear()
+            self._new_run(update.runs)
+            self.series.load(update.history or {})
+            changed = True
+        if update.info is not None and update.info is not self.info:
+            self.info = update.info
+            self.auto_recover = update.info.auto_recover
+            changed = True
+        for sample in update.samples:
+            self._sample(sample)
+        for event in update.events:
+            self._event(event)
+        if update.summary is not None and self.summary is None:
+            self.summary = update.summary
+            self.ended = self.ended or self.clock()
+        if update.gpus is not self.gpus:
+            self.gpus = update.gpus
+            changed = True
+        return changed or bool(update.samples or update.events or update.summary is not self.summary)
+
+    def _new_run(self, runs: int) -> None:
+        self.runs = runs
+        self.generation += 1
+        self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = None
+        self.ooms = 0
+        self.series.clear()
+        self.pending.clear()
+        self.paused = self.stopping = False
+        self.started, self.ended = self.clock(), None
+
+    def _sample(self, s: StepSample) -> None:
+        if self.first is None:
+            self.first = s
+        self.latest = s
+        self.samples_seen += 1
+        self.series.add(s)
+
+    def _event(self, e: Event) -> None:
+        request = e.get("request_id")
+        if request is not None:
+            self.pending.pop(request, None)
+        if e.name == "paused":
+            self.paused = True
+        elif e.name == "resumed":
+            self.paused = False
+            self.waiting_oom = None
+        elif e.name == "auto_recover_changed":
+            self.auto_recover = bool(e["enabled"])
+        elif e.name == "oom" and e.get("waiting"):
+            self.waiting_oom = e
+        elif e.name == "top_tensors":
+            self.top = e  # the table is on its own screen; the timeline says the request was answered
+        elif e.name == "memory_summary":
+            self.cuda_summary = e.get("text")
+        if e.name in ("oom", "oom_recovered"):
+            self.ooms += 1
+        text = describe(e)
+        if request is not None and e.name != "control_refused":
+            text = f"✓ {text} · applied after step {e.step}, {e.get('latency_s', 0) * 1000:.0f} ms after the request"
+        self._log(Entry(e.t, e.step, text, KINDS.get(e.name, "applied" if request else "info")))
+
+    def _log(self, entry: Entry) -> None:
+        self.timeline.appendleft(entry)
+        self.entries += 1
+
+    @property
+    def step(self) -> int:
+        return self.latest.step if self.latest else 0
+
+    def requested(self, request_id: int | None, text: str) -> None:
+        """The user asked for something: say so at once, before the loop applies it."""
+        if request_id is None:
+            return
+        self.pending[request_id] = text
+        self._log(
+            Entry(time.time(), self.step, f"→ requested: {text} · applies at the next step boundary", "requested")
+        )
+
+    def script_ended(self, code: int, failure: str | None) -> None:
+        self.exit_code, self.failure = code, failure
+        self.ended = self.ended or self.clock()
+        if failure and not (self.summary and self.summary.error):  # fit's own error event said it
+            first = failure.strip().splitlines()[-1] if failure.strip() else "the script failed"
+            self._log(Entry(time.time(), self.step, first, "error"))
+
+    # -- the run, as the panels ask for it ----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The script, as the header names it (an attached job's comes from its argv)."""
+        argv = self.info.argv if self.info else ()
+        name = os.path.basename(argv[0]) if argv and (self.remote or not self.script) else self.script
+        pid = self.info.pid if self.info else 0
+        return f"{name} · pid {pid}" if self.remote and pid else name or "…"
+
+    @property
+    def device_name(self) -> str:
+        return self.info.device_name if self.info else ""
+
+    @property
+    def observed(self) -> bool:
+        """The script runs its own loop (gputui watches it): no batch, AMP or checkpointing of its own."""
+        return self.info is not None and self.info.observed
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.info.total_steps if self.info else None
+
+    @property
+    def epochs(self) -> int | None:
+        return self.info.epochs if self.info else None
+
+    @property
+    def amp(self) -> str | None:
+        """The mixed precision in use (None before the run says)."""
+        return self.latest.amp if self.latest else self.info.amp if self.info else None
+
+    @property
+    def checkpointing(self) -> bool:
+        if self.latest is not None:
+            return self.latest.checkpointing
+        return self.info is not None and self.info.checkpointing
+
+    @property
+    def refused(self) -> Mapping[str, str]:
+        """Control action -> why this run refuses it."""
+        return self.info.refused if self.info else {}
+
+    @property
+    def training(self) -> bool:
+        return self.info is not None and self.summary is None and self.exit_code is None
+
+    @property
+    def status(self) -> str:
+        if self.banner:
+            return self.banner
+        if self.failure or (self.summary and self.summary.error):
+            return "failed"
+        if self.exit_code is not None or self.summary is not None:
+            return "stopped" if self.summary and self.summary.stopped else "finished"
+        if self.info is None:
+            return "starting"
+        if self.waiting_oom is not None:
+            return "OOM: waiting"
+        if self.stopping:
+            return "stopping"
+        return "paused" if self.paused else "training"
+
+    @property
+    def elapsed(self) -> float:
+        if self.summary is not None:
+            return self.summary.elapsed_s
+        if self.info is not None and self.info.started:  # wall clock: right for a job attached to long after
+            return max(0.0, time.time() - self.info.started)
+        if self.started is None:
+            return 0.0
+        return (self.ended or self.clock()) - self.started
+
+    @property
+    def eta(self) -> float | None:
+        total, s = self.total_steps, self.latest
+        if not total or s is None or not s.samples_per_s or not s.batch_size or not self.training:
+            return None
+        return (total - s.step) * s.batch_size / s.samples_per_s
+
+    def why_not(self, action: str, watch_only: str | None) -> str | None:
+        """None if the key can act now, else the one-line reason shown when it is pressed."""
+        key = BY_ACTION.get(action)
+        if key is None or key.control is None:
+            return None
+        if watch_only:
+            return watch_only
+        if self.info is None:
+            return "training has not started yet"
+        if not self.training:
+            return "training has ended"
+        if key.control in self.refused:
+            return self.refused[key.control]
+        s = self.latest
+        if action == "halve_batch" and s is not None and s.micro_batch <= 1:
+            return "the micro-batch is already 1"
+        if action == "halve_batch" and s is not None and s.micro_batch <= self.info.min_micro_batch:
+            return BATCH_NORM_FLOOR
+        if action == "double_batch" and s is not None and s.micro_batch >= s.batch_size:
+            return f"the micro-batch already equals the global batch ({s.batch_size})"
+        return None
+
+    def next_amp(self) -> str:
+        current = self.amp or "off"
+        return AMP_MODES[(AMP_MODES.index(current) + 1) % len(AMP_MODES)]

@@ -1,0 +1,47 @@
+"""Panels redraw only when what they show changed: a pull with nothing new re-renders nothing."""
+
+from collections import Counter
+
+from fakes import GPUS, FrozenClock, cuda_run, cuda_sample
+
+from gputui.telemetry.sample import Event
+from gputui.tui.app import GputuiApp
+from gputui.tui.sources import Update
+from gputui.tui.widgets import Panel
+
+
+def count_refreshes(app: GputuiApp) -> Counter:
+    counts: Counter = Counter()
+    for panel in app.main.query(Panel):
+        refresh = panel.refresh
+
+        def counted(*args, _id=panel.id, _refresh=refresh, **kwargs):
+            counts[_id] += 1
+            return _refresh(*args, **kwargs)
+
+        panel.refresh = counted
+    return counts
+
+
+async def test_a_pull_redraws_the_panels_whose_data_changed():
+    source = cuda_run()
+    info = source.update.info
+    app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        app.pull()  # the header's key as laid out (it was first taken before the screen had its width)
+        counts = count_refreshes(app)
+        for _ in range(3):
+            app.pull()  # training, nothing new: the frozen clock keeps even the elapsed time still
+        nothing = dict(counts)
+        source.update = Update([cuda_sample(301)], [], info, None, GPUS, runs=1)
+        app.pull()
+        step = dict(counts)
+        counts.clear()
+        source.update = Update([], [Event("paused", 301, {})], info, None, GPUS, runs=1)
+        app.pull()
+        event = dict(counts)
+
+    assert nothing == {}
+    assert step == {"header": 1, "memory": 1, "loss": 1}  # same batch, same GPUs, no event
+    assert event == {"header": 1, "timeline": 1}  # "paused" in the header, a line in the timeline

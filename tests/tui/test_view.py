@@ -1,0 +1,194 @@
+"""RunView on plain samples and events: what the screen shows, without Textual or torch."""
+
+import pytest
+
+from gputui.telemetry.controls import BATCH_NORM_FLOOR
+from gputui.telemetry.run import RunInfo, RunSummary
+from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.tui.keys import KEYS
+from gputui.tui.sources import Update
+from gputui.tui.view import RunView
+
+OWN_LOOP = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample(step: int, *, loss: float | None = 1.0, micro: int = 8, batch: int = 8, rate: float | None = 80.0):
+    return StepSample(
+        t=1000.0 + step,
+        step=step,
+        epoch=0,
+        loss=loss,
+        batch_size=batch,
+        micro_batch=micro,
+        accumulation=batch // micro,
+        amp="off",
+        checkpointing=False,
+        samples_per_s=rate,
+        memory=Memory("cpu", allocated=1000 * step, peak=2000 * step),
+    )
+
+
+def update(*samples, events=(), info=None, summary=None, runs=1, **extra) -> Update:
+    return Update(list(samples), list(events), info, summary, None, runs, **extra)
+
+
+def view(info=None, *samples, events=()) -> RunView:
+    v = RunView(clock=Clock(), script="train.py")
+    v.apply(update(*samples, events=events, info=info or RunInfo(total_steps=100)))
+    return v
+
+
+def test_status_from_start_to_end():
+    v = RunView(clock=Clock(), script="train.py")
+    assert v.status == "starting" and not v.training
+    v.apply(update(sample(1), info=RunInfo()))
+    assert v.status == "training" and v.training
+    v.apply(update(events=[Event("paused", 1, {})], info=v.info))
+    assert v.status == "paused" and v.paused
+    v.apply(update(events=[Event("resumed", 1, {})], info=v.info))
+    assert v.status == "training"
+    oom = Event("oom", 1, {"phase": "forward", "micro_batch": 8, "waiting": True, "recovered": False})
+    v.apply(update(events=[oom], info=v.info))
+    assert v.status == "OOM: waiting" and v.waiting_oom is oom and v.ooms == 1
+    v.apply(update(events=[Event("resumed", 1, {})], info=v.info))
+    assert v.status == "training" and v.waiting_oom is None
+    v.stopping = True
+    assert v.status == "stopping"
+    v.apply(update(info=v.info, summary=RunSummary(steps=1, stopped="requested", elapsed_s=4.5)))
+    assert v.status == "stopped" and not v.training and v.elapsed == 4.5
+
+
+@pytest.mark.parametrize(
+    "summary, code, failure, status",
+    [
+        (RunSummary(steps=3), 0, None, "finished"),
+        (RunSummary(steps=3, error="ValueError: bad label"), 1, "Traceback...\nValueError: bad label", "failed"),
+        (None, 1, "Traceback (most recent call last):\nNameError: name 'x' is not defined", "failed"),
+        (None, 0, None, "finished"),  # a script that ended without fit's summary (its own loop)
+    ],
+)
+def test_how_the_run_ended(summary, code, failure, status):
+    v = view(None, sample(1))
+    v.apply(update(info=v.info, summary=summary))
+    v.script_ended(code, failure)
+    assert v.status == status and not v.training
+    lines = [e.text for e in v.timeline if e.kind == "error"]
+    # The last line of a traceback joins the timeline, unless fit's own error event already said it.
+    assert lines == (["NameError: name 'x' is not defined"] if summary is None and failure else [])
+
+
+def test_a_banner_replaces_the_status():
+    v = view(None, sample(1))
+    v.apply(update(info=v.info, banner="disconnected: reconnecting…"))
+    assert v.status == "disconnected: reconnecting…"
+    v.apply(update(info=v.info))
+    assert v.status == "training"
+
+
+def test_why_not_says_why_a_key_cannot_act():
+    v = RunView()
+    assert v.why_not("halve_batch", None) == "training has not started yet"
+    assert v.why_not("help", "watch-only") is None  # screens never need the loop
+    v = view(RunInfo(min_micro_batch=2), sample(1, micro=4, batch=16))
+    assert v.why_not("halve_batch", "watch-only: attach with --control to steer") == (
+        "watch-only: attach with --control to steer"
+    )
+    assert [k.action for k in KEYS if v.why_not(k.action, None)] == []
+    v.apply(update(sample(2, micro=2, batch=16), info=v.info))
+    assert v.why_not("halve_batch", None) == BATCH_NORM_FLOOR  # the floor BatchNorm sets
+    v.apply(update(sample(3, micro=16, batch=16), info=v.info))
+    assert v.why_not("double_batch", None) == "the micro-batch already equals the global batch (16)"
+    v = view(RunInfo(), sample(1, micro=1, batch=16))
+    assert v.why_not("halve_batch", None) == "the micro-batch is already 1"
+    v.apply(update(info=v.info, summary=RunSummary(steps=1)))
+    assert v.why_not("free_cache", None) == "training has ended"
+
+
+def test_why_not_reads_the_refusals_the_run_announced():
+    refused = dict.fromkeys(
+        ("halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover"), OWN_LOOP
+    )
+    refused["snapshot"] = "memory snapshots are a CUDA allocator feature"
+    v = view(RunInfo(mode="observe", refused=refused), sample(1))
+    reasons = {k.action: v.why_not(k.action, None) for k in KEYS}
+    assert v.observed
+    assert reasons == {
+        "halve_batch": OWN_LOOP,
+        "double_batch": OWN_LOOP,
+        "cycle_amp": OWN_LOOP,  # key actions map onto the run's control actions
+        "toggle_checkpointing": OWN_LOOP,
+        "toggle_auto_recover": OWN_LOOP,
+        "free_cache": None,
+        "toggle_pause": None,
+        "snapshot": "memory snapshots are a CUDA allocator feature",
+        "top_tensors": None,
+        "memory": None,
+        "log": None,
+        "help": None,
+        "quit": None,
+    }
+    paused = view(RunInfo(refused={"pause": "this run cannot pause"}), sample(1))
+    assert paused.why_not("toggle_pause", None) == "this run cannot pause"
+
+
+def test_loss_series_and_throughput():
+    v = view(RunInfo(total_steps=100), sample(1, loss=2.0), sample(2, loss=None), sample(3, loss=1.5, rate=40.0))
+    assert v.series.loss.steps == [1, 3] and v.series.loss.values == [2.0, 1.5]  # a step without a loss: no point
+    assert v.series.allocated.values == [1000, 2000, 3000]
+    assert v.first.step == 1 and v.latest.step == 3 and v.samples_seen == 3
+    assert v.eta == pytest.approx((100 - 3) * 8 / 40.0)  # steps left, at the latest rate
+    v.apply(update(sample(4, rate=None), info=v.info))
+    assert v.eta is None
+
+
+def test_event_lines_of_the_timeline():
+    v = view(None, sample(3))
+    v.requested(7, "halve micro-batch (8 -> 4)")
+    assert v.pending == {7: "halve micro-batch (8 -> 4)"}
+    events = [
+        Event("micro_batch_changed", 3, {"from": 8, "to": 4, "accumulation": 2, "request_id": 7, "latency_s": 0.012}),
+        Event("control_refused", 3, {"action": "set_amp", "reason": "fp16 needs CUDA", "request_id": 8}),
+        Event(
+            "oom_recovered",
+            4,
+            {"phase": "backward", "micro_batch": 4, "micro_batch_to": 2, "accumulation": 4, "message": "..."},
+        ),
+    ]
+    v.apply(update(events=events, info=v.info))
+    lines = [(e.kind, e.step, e.text) for e in v.timeline]
+    assert not v.pending and v.entries == 4 and v.ooms == 1
+    assert lines[3] == ("requested", 3, "→ requested: halve micro-batch (8 -> 4) · applies at the next step boundary")
+    assert lines[2][0] == "applied" and lines[2][2].startswith("✓ micro-batch 8 -> 4 (accumulation 2) · ")
+    assert lines[2][2].endswith("applied after step 3, 12 ms after the request")
+    assert lines[1][0] == "refused" and "fp16 needs CUDA" in lines[1][2] and not lines[1][2].startswith("✓")
+    assert lines[0][:2] == ("oom", 4)
+
+
+def test_a_reconnection_starts_the_view_over_with_the_jobs_history():
+    v = view(None, sample(1), sample(2), events=[Event("paused", 2, {})])
+    v.requested(3, "free cache")
+    generation = v.generation
+    history = {"loss": ([10, 20], [0.9, 0.8], 1)}
+    v.apply(update(sample(21), info=RunInfo(pid=4242, argv=("/home/ada/train.py",)), reset=True, history=history))
+    assert v.generation == generation + 1
+    assert not v.timeline and not v.pending and not v.paused
+    assert v.series.loss.steps == [10, 20, 21] and v.first.step == 21
+    v.remote = True
+    assert v.name == "train.py · pid 4242"
+
+
+def test_new_samples_and_lines_move_the_counters_panels_compare():
+    v = view(None, sample(1))
+    before = (v.generation, v.samples_seen, v.entries)
+    v.apply(update(info=v.info))  # nothing new
+    assert (v.generation, v.samples_seen, v.entries) == before
+    v.apply(update(sample(2), events=[Event("paused", 2, {})], info=v.info))
+    assert (v.generation, v.samples_seen, v.entries) == (before[0], before[1] + 1, before[2] + 1)
