@@ -3,6 +3,17 @@ import pytest
 from gputui.telemetry import hub as hubs
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_socket_folder(tmp_path_factory):
+    """Each test process (each xdist worker) gets its own XDG_RUNTIME_DIR, inherited by the jobs
+    the tests start: `gputui jobs` in one test never lists another's job, nor the user's own."""
+    runtime = tmp_path_factory.mktemp("runtime")
+    runtime.chmod(0o700)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        yield runtime
+
+
 @pytest.fixture(autouse=True)
 def hub():
     """A fresh, silent hub for each test: fit() publishes here instead of printing a progress line."""

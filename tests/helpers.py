@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import torch
 from torch import nn
@@ -122,10 +121,17 @@ def plain_accumulating_loop(model: nn.Module, batches, step, optimizer, micro_ba
     return model
 
 
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tolerance) -> None:
+    """The same names, and each name's tensors close: matched by name, so neither a missing or extra
+    entry nor a different order passes."""
+    assert a.keys() == b.keys(), f"different names: {sorted(a.keys() ^ b.keys())}"
+    for name, x in a.items():
+        torch.testing.assert_close(x, b[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
     """Running statistics (running_mean, running_var, num_batches_tracked) equal to the last bit."""
-    for (name, x), y in zip(a.named_buffers(), b.buffers(), strict=True):
-        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_tensors(dict(a.named_buffers()), dict(b.named_buffers()), atol=0, rtol=0)
 
 
 def twins(factory, seed: int = 0):
@@ -135,33 +141,16 @@ def twins(factory, seed: int = 0):
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-5, rtol: float = 1e-4) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_tensors(dict(a.named_parameters()), dict(b.named_parameters()), atol=atol, rtol=rtol)
 
 
-def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
-    """Run `action` on another thread as soon as the hub has seen an event called `name`."""
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(e.name == name for e in hub.events()):
-                action()
-                return
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
-class RequestAt:
-    """A hub sink that requests `action` once the loop has published step `n`."""
-
-    def __init__(self, hub, n, action, value=None):
-        self.hub, self.n, self.action, self.value = hub, n, action, value
+class Sink:
+    """A hub sink that ignores everything: subclasses override what they watch."""
 
     def on_start(self, info):
+        pass
+
+    def on_sample(self, sample):
         pass
 
     def on_event(self, event):
@@ -169,6 +158,44 @@ class RequestAt:
 
     def on_end(self, summary):
         pass
+
+
+class EventSeen(Sink):
+    """A hub sink that releases `each` at every event called `name`: a thread waits on it, no polling."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.each = threading.Semaphore(0)
+
+    def on_event(self, event):
+        if event.name == self.name:
+            self.each.release()
+
+
+def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
+    """Run `action` on another thread as soon as the hub emits an event called `name` (or has one already)."""
+    seen = EventSeen(name)
+    hub.add_sink(seen)
+    if any(e.name == name for e in hub.events()):
+        seen.each.release()
+
+    def watch() -> None:
+        try:
+            if seen.each.acquire(timeout=timeout):
+                action()
+        finally:
+            hub.remove_sink(seen)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+class RequestAt(Sink):
+    """A hub sink that requests `action` once the loop has published step `n`."""
+
+    def __init__(self, hub, n, action, value=None):
+        self.hub, self.n, self.action, self.value = hub, n, action, value
 
     def on_sample(self, sample):
         if sample.step == self.n:
@@ -179,9 +206,9 @@ def thrashing_allocator(monkeypatch) -> None:
     """fit's probe reports allocator retries growing at every step, as a thrashing CUDA allocator would."""
     import dataclasses
 
-    import gputui.engine.loop as loop
+    import gputui.engine.session as session
 
-    real = loop.for_device
+    real = session.for_device
 
     def thrashing_probe(device, tracker, **kwargs):
         probe = real(device, tracker, **kwargs)
@@ -189,4 +216,4 @@ def thrashing_allocator(monkeypatch) -> None:
         probe.read = lambda: dataclasses.replace(read(), alloc_retries=next(count))
         return probe
 
-    monkeypatch.setattr(loop, "for_device", thrashing_probe)
+    monkeypatch.setattr(session, "for_device", thrashing_probe)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -88,7 +88,8 @@ class StateTracker:
         self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
         self._pack = hidden_from_dynamo(self.pack)
         self._unpack = hidden_from_dynamo(unpack)
-        self.note_saved = hidden_from_dynamo(self.note_saved)  # a hook too (a checkpointed block's forward)
+        # A hook too (a checkpointed block's forward calls it), so hidden like pack.
+        self.note_saved: Callable[[Iterable[object]], None] = hidden_from_dynamo(self._note_saved)
         on_grad = hidden_from_dynamo(self._on_grad)
         # Only a budget needs to see each gradient appear (to raise inside backward where it is
         # crossed); without one, counting them once after backward gives the same peak without a
@@ -135,7 +136,7 @@ class StateTracker:
         # never reaches backward (an attempt cut short by an OOM) would never be freed.
         return t.detach()
 
-    def note_saved(self, tensors: Iterable[object]) -> None:
+    def _note_saved(self, tensors: Iterable[object]) -> None:
         """Count tensors kept alive outside autograd's saved tensors (checkpointed block inputs)."""
         if not self.counting:
             return

@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import (
     ConvNet,
+    Residual,
     TokenModel,
     assert_same_weights,
     conv_batches,
@@ -80,12 +81,17 @@ def test_forced_oom_halvings_under_budget_match_plain_loop():
     assert_same_weights(model, ref)
 
 
-def test_checkpointing_matches_plain_loop():
+def test_checkpointing_matches_plain_loop(monkeypatch):
     batches = conv_batches(4, 8, seed=5)
     ref, model = twins(ConvNet)
     plain_loop(ref, batches, conv_step, adam)
+    runs = []
+    forward = Residual.forward
+    monkeypatch.setattr(Residual, "forward", lambda block, x: runs.append(block) or forward(block, x))
     result = gputui.fit(model, batches, conv_step, adam(model), checkpointing=True, micro_batch=3)
     assert result.checkpointing
+    micro_batches = 4 * 3  # 8 samples a batch in micro-batches of 3, 3 and 2
+    assert len(runs) == 2 * micro_batches * len(model.body), "each block's forward runs again in backward"
     assert_same_weights(model, ref)
     assert not any("forward" in vars(m) for m in model.modules()), "the wrappers must be removed after fit"
 

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import ConvNet, assert_same_weights, conv_batches, conv_step, on_event, plain_loop, twins
+from helpers import ConvNet, EventSeen, assert_same_weights, conv_batches, conv_step, on_event, plain_loop, twins
 from torch import nn
 from torch.nn import functional as F
 
@@ -120,12 +120,12 @@ def test_manual_mode_waits_for_a_remedy_then_retries(hub):
 def test_manual_mode_retry_cap(hub):
     model = ConvNet()
     stop = threading.Event()
+    paused = EventSeen("paused")
+    hub.add_sink(paused)
 
-    def keep_resuming():  # the user who presses "retry" whatever happens
-        while not stop.is_set():
-            if sum(e.name == "paused" for e in hub.events()) > sum(e.name == "resumed" for e in hub.events()):
-                hub.controls.request("resume")
-            stop.wait(0.002)
+    def keep_resuming():  # the user who presses "retry" at every pause, whatever happens
+        while paused.each.acquire(timeout=10) and not stop.is_set():
+            hub.controls.request("resume")
 
     t = threading.Thread(target=keep_resuming, daemon=True)
     t.start()
@@ -134,6 +134,7 @@ def test_manual_mode_retry_cap(hub):
             gputui.fit(model, conv_batches(1, 8), FailOn(range(1, 1000)), sgd(model), auto_recover=False)
     finally:
         stop.set()
+        paused.each.release()  # wakes it to see the stop
         t.join(5)
 
 

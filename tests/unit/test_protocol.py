@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputui.telemetry.protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client, parse_server
+from gputui.telemetry.protocol import ACTIONS, MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client, parse_server
 
 
 def line(**record):
@@ -51,9 +51,10 @@ def test_invalid_client_messages_say_why(raw, reason):
 @given(st.binary(max_size=600))
 def test_fuzz_bytes_only_protocol_errors(raw):
     try:
-        parse_client(raw)
+        message = parse_client(raw)
     except ProtocolError:
-        pass
+        return
+    assert message["kind"] in ("hello", "control")  # the rare bytes that parse: a message, nothing else
 
 
 json_values = st.recursive(
@@ -72,9 +73,14 @@ def test_fuzz_objects_only_protocol_errors_and_valid_results_are_clean(data):
         message = parse_client(json.dumps(data).encode())
     except ProtocolError:
         return
-    assert message["kind"] in ("hello", "control")
-    if message["kind"] == "control":
-        assert isinstance(message["id"], int) and message["value"] is None or isinstance(message["value"], (str, bool))
+    if message["kind"] == "hello":
+        assert message == {"kind": "hello", "control": data.get("control", False)}
+        assert isinstance(message["control"], bool)
+    else:
+        assert message == {"kind": "control", "id": data["id"], "action": data["action"], "value": data.get("value")}
+        assert type(message["id"]) is int and 0 <= message["id"] < 2**53
+        assert message["action"] in ACTIONS
+        assert message["value"] is None or isinstance(message["value"], (str, bool))
 
 
 def test_encode_is_one_line_of_strict_json():

@@ -56,13 +56,33 @@ def test_checkpointing_is_a_flag_and_remove_restores_the_module():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+class CountedLinear(nn.Linear):
+    """Counts its own forward runs: a checkpointed block runs it again in backward (recomputation)."""
+
+    runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return super().forward(x)
+
+
 def test_checkpoint_modules_named_by_the_script():
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = nn.Sequential(CountedLinear(4, 8), nn.ReLU(), CountedLinear(8, 1))
     switch = Checkpointing(model, [model[0], model[2]])
-    assert switch.unavailable() is None and switch.how == "2 x Linear"
+    assert switch.unavailable() is None and switch.how == "2 x CountedLinear"
+
+    def runs_in_a_step():
+        before = [model[0].runs, model[2].runs]
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        return [model[0].runs - before[0], model[2].runs - before[1]]
+
+    assert runs_in_a_step() == [1, 1]
     switch.set(True)
-    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert runs_in_a_step() == [2, 2], "checkpointed: each block's forward runs again in backward"
+    switch.set(False)
+    assert runs_in_a_step() == [1, 1], "switched off: no recomputation"
     switch.remove()
+    assert runs_in_a_step() == [1, 1]
 
 
 def test_hugging_face_models_use_their_own_switch():
