@@ -13,7 +13,8 @@ evaluation pass) is dropped.
 An epoch ends when an iterator over the training data (the data of the first batch a backward
 consumed) is exhausted, and the next begins when a batch of that data is fetched again (a new
 iterator, or a persistent one restarted): not at the exhaustion, which a loader fetching ahead
-reaches before its last batch is trained on.
+reaches before its last batch is trained on. A pass also ends at its last batch when the loader
+knows its length: Lightning stops fetching there and never reaches StopIteration.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Fetched:
         if waiting is None:
             waiting = self._waiting[iterator] = deque(maxlen=MAX_WAITING)
         waiting.append((size, self.epoch))
+        if _last_of_pass(iterator) and (self._training is None or data is self._training):
+            self._ended = data  # the pass's last batch: still to be trained on, as at an exhaustion
 
     def exhausted(self, iterator: Any) -> None:
         """A DataLoader iterator raised StopIteration."""
@@ -83,3 +86,11 @@ class Fetched:
             self.consume()
         samples, self._samples, self._batches = self._samples, 0, 0
         return samples, self._step_epoch
+
+
+def _last_of_pass(iterator: Any) -> bool:
+    """Whether `iterator` just yielded the last batch of its pass (a loader of known length)."""
+    try:
+        return bool(iterator._num_yielded >= len(iterator))
+    except (AttributeError, TypeError):  # an iterable dataset without a length
+        return False

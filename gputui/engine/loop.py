@@ -79,7 +79,7 @@ class FitOptions:
     scheduler: Any = None
     micro_batch: int | None = None
     amp: str = "off"
-    checkpointing: bool = False
+    checkpointing: bool | None = None  # None: as the model is (a Hugging Face model's own setting)
     checkpoint_modules: Sequence[nn.Module] | None = None
     device: str | torch.device | None = None
     memory_budget: int | str | None = None
@@ -105,7 +105,7 @@ def fit(
     scheduler: Any = None,
     micro_batch: int | None = None,
     amp: str = "off",
-    checkpointing: bool = False,
+    checkpointing: bool | None = None,
     checkpoint_modules: Sequence[nn.Module] | None = None,
     device: str | torch.device | None = None,
     memory_budget: int | str | None = None,
@@ -201,7 +201,8 @@ class _Trainer:
         self.tracker, self.probe, self.budget = self.session.tracker, self.session.probe, self.session.budget
         if self.tracker is not None:
             self.checkpointing.on_inputs = self.tracker.note_saved
-        self.checkpointing.set(o.checkpointing)
+        if o.checkpointing is not None:
+            self.checkpointing.set(o.checkpointing)
         self.micro_batch = o.micro_batch  # a cap: None means the whole global batch
         self.auto_recover = o.auto_recover
 

@@ -79,27 +79,107 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def find_hugging_face(model: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face model that can checkpoint: `model` itself, or one a wrapper holds."""
+    for module in model.modules():
+        if getattr(module, "supports_gradient_checkpointing", False) and (
+            hasattr(module, "activation_checkpointing_enable") or hasattr(module, "gradient_checkpointing_enable")
+        ):
+            return module
+    return None
+
+
+_LAYER = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_INPUT_HOOKS = ("_require_grads_hooks", "_require_grads_hook")
+_UNSET = object()
+
+
+def _attributes(module: nn.Module, names: Sequence[str]) -> tuple[Any, ...]:
+    """The module's own values (not its class's) of `names`; _UNSET where it has none."""
+    return tuple(vars(module).get(name, _UNSET) for name in names)
+
+
+def _hooks(values: Sequence[Any]) -> list[Any]:
+    """The input-embedding hooks in `_INPUT_HOOKS`' values: a list (transformers 5), the first alone (4)."""
+    many, one = values
+    return [*(many if isinstance(many, list) else ()), *(() if one is None or one is _UNSET else (one,))]
+
+
+def _put(module: nn.Module, names: Sequence[str], values: Sequence[Any]) -> None:
+    for name, value in zip(names, values, strict=True):
+        if value is _UNSET:
+            vars(module).pop(name, None)
+        else:
+            setattr(module, name, value)
+
+
+class _HuggingFace:
+    """A Hugging Face model's own checkpointing, switched without losing what the script set.
+
+    transformers marks each layer that checkpoints with a `gradient_checkpointing` flag and the
+    `_gradient_checkpointing_func` it calls (the contract its own models and `is_*_checkpointing`
+    follow since 4.35). `activation_checkpointing_enable()` (`gradient_checkpointing_enable()` before
+    transformers 5, deprecated since) sets both and hooks the input embeddings; it is called at most
+    once, and only if the script had not enabled it. Off clears the flags, as the library's disable
+    does; on puts back the flags and functions last enabled, so the script's own choices
+    (`use_reentrant`, `every_n_layers`, `offload`) survive a toggle, and `restore()` leaves the
+    model as it came.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._before = self._layers()
+        self._hooks_before = _attributes(model, _INPUT_HOOKS)
+        name = "is_activation_checkpointing"  # `is_gradient_checkpointing` warns from transformers 5 on
+        self.initially = bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing"))
+        self._enabled = self._before if self.initially else None
+
+    def _layers(self) -> dict[Any, tuple[Any, ...]]:  # Any: nn.Module types its attributes as tensors
+        return {m: _attributes(m, _LAYER) for m in self.model.modules() if hasattr(m, "gradient_checkpointing")}
+
+    def set(self, on: bool) -> None:
+        if not on:
+            for module in self._layers():
+                module.gradient_checkpointing = False
+        elif self._enabled is not None:
+            for module, values in self._enabled.items():
+                _put(module, _LAYER, values)
+        else:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self._enabled = self._layers()
+
+    def restore(self) -> None:
+        for module, values in self._before.items():
+            _put(module, _LAYER, values)
+        kept = _hooks(self._hooks_before)
+        for hook in _hooks(_attributes(self.model, _INPUT_HOOKS)):
+            if not any(hook is old for old in kept):
+                hook.remove()  # one the enable above added
+        _put(self.model, _INPUT_HOOKS, self._hooks_before)
+
+
 class Checkpointing:
     """Activation checkpointing over the model's repeated blocks, switched by one flag.
 
     Each block's `forward` is shadowed once, on the instance (the module tree and the
     state_dict are untouched), by a wrapper that reads the flag: on, it calls
     `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; off, the original forward.
-    Hugging Face models use their own `gradient_checkpointing_enable()`. `remove()` restores
-    the model exactly.
+    A Hugging Face model (or one inside a wrapper) uses its own checkpointing instead, and starts
+    as the script left it (`enabled`). `remove()` restores the model exactly; `enabled` keeps what
+    the run trained with last, for the run's end record.
     """
 
     def __init__(self, model: nn.Module, modules: Sequence[nn.Module] | None = None) -> None:
-        self.model: Any = model  # a Hugging Face model's gradient_checkpointing_* are not nn.Module's
-        self.enabled = False
         self.on_inputs: Callable[[tuple[Any, ...]], None] | None = None
         """Told each checkpointed block's inputs: the checkpoint keeps them alive for backward."""
         self._installed: list[tuple[nn.Module, Any]] = []
-        self.hf = (
-            modules is None
-            and bool(getattr(model, "supports_gradient_checkpointing", False))
-            and hasattr(model, "gradient_checkpointing_enable")
-        )
+        hf = find_hugging_face(model) if modules is None else None
+        self.hf = _HuggingFace(hf) if hf is not None else None
+        self.enabled = self.hf is not None and self.hf.initially
         self.blocks: list[nn.Module] = [] if self.hf else list(modules) if modules is not None else find_blocks(model)
 
     @property
@@ -127,10 +207,7 @@ class Checkpointing:
         if on and reason:
             raise ValueError(reason)
         if self.hf:
-            if on:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_disable()
+            self.hf.set(on)
         elif on and not self._installed:
             for block in self.blocks:
                 self._install(block)
@@ -153,12 +230,11 @@ class Checkpointing:
         self._installed.append((block, own))
 
     def remove(self) -> None:
-        if self.hf and self.enabled:
-            self.model.gradient_checkpointing_disable()
+        if self.hf:
+            self.hf.restore()
         for block, own in self._installed:
             if own is None:
                 del block.forward
             else:
                 block.forward = own
         self._installed = []
-        self.enabled = False

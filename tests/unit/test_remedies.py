@@ -1,6 +1,8 @@
+import warnings
+
 import pytest
 import torch
-from helpers import ConvNet, TokenModel, conv_batches, conv_step, twins
+from helpers import ConvNet, RequestAt, Sink, TokenModel, assert_same_weights, conv_batches, conv_step, twins
 from torch import nn
 
 import gputui
@@ -85,7 +87,23 @@ def test_checkpoint_modules_named_by_the_script():
     assert runs_in_a_step() == [1, 1]
 
 
-def test_hugging_face_models_use_their_own_switch():
+def checkpoints(model):
+    """A Hugging Face model checkpoints when any of its layers' flags is set (what transformers reads)."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def layer_state(model):
+    """Each checkpointing layer's own flag and checkpoint function: what the script's enable() set."""
+    attrs = ("gradient_checkpointing", "_gradient_checkpointing_func")
+    return {
+        name: tuple(vars(m).get(a) for a in attrs)
+        for name, m in model.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    }
+
+
+def test_older_hugging_face_models_use_their_own_switch():
+    """Before transformers 5 there is only gradient_checkpointing_enable() and is_gradient_checkpointing."""
     calls = []
 
     class HFLike(nn.Module):
@@ -94,9 +112,17 @@ def test_hugging_face_models_use_their_own_switch():
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+            for layer in self.layers:
+                layer.gradient_checkpointing = False
+
+        @property
+        def is_gradient_checkpointing(self):
+            return checkpoints(self)
 
         def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
             calls.append(("enable", gradient_checkpointing_kwargs))
+            for layer in self.layers:
+                layer.gradient_checkpointing = True
 
         def gradient_checkpointing_disable(self):
             calls.append(("disable", None))
@@ -108,11 +134,153 @@ def test_hugging_face_models_use_their_own_switch():
 
     model = HFLike()
     switch = Checkpointing(model)
-    assert switch.how == "hugging face" and switch.blocks == []
+    assert switch.how == "hugging face" and switch.blocks == [] and not switch.enabled
     switch.set(True)
+    assert checkpoints(model)
+    switch.set(False)
+    assert not checkpoints(model)
+    switch.set(True)  # the layers enabled the first time, back: enable() is not called again
+    assert checkpoints(model)
     switch.remove()
-    assert calls == [("enable", {"use_reentrant": False}), ("disable", None)]
-    assert "forward" not in vars(model.layers[0])
+    assert calls == [("enable", {"use_reentrant": False})]
+    assert not checkpoints(model) and "forward" not in vars(model.layers[0])
+    assert Checkpointing(nn.Sequential(model)).how == "hugging face", "a wrapper's Hugging Face model is found"
+
+
+@pytest.fixture
+def gpt2():
+    """A tiny GPT-2 built from its config (nothing downloaded), without dropout: runs compare exactly."""
+    transformers = pytest.importorskip("transformers")
+
+    def make(seed=0):
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        return transformers.GPT2LMHeadModel(config)
+
+    return make
+
+
+def script_enables(model, kwargs=None):
+    """What a script calls: the installed transformers' own API (the older name warns from 5 on)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def input_hooks(model):
+    return list(model.get_input_embeddings()._forward_hooks)
+
+
+def test_hugging_face_model_switches_its_own_checkpointing(gpt2):
+    model = gpt2()
+    before = layer_state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # gradient_checkpointing_* go in transformers 6
+        switch = Checkpointing(model)
+        assert switch.how == "hugging face" and switch.blocks == [] and not switch.enabled
+        switch.set(True)
+        assert checkpoints(model) and len(input_hooks(model)) == 1
+        assert model.transformer.h[0]._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+        switch.set(False)
+        assert not checkpoints(model)
+        switch.set(True)
+        assert checkpoints(model) and len(input_hooks(model)) == 1, "enabled once: one input hook"
+        switch.remove()
+    assert not checkpoints(model) and layer_state(model) == before and input_hooks(model) == []
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_hugging_face_model_keeps_the_scripts_own_setting(gpt2):
+    model = gpt2()
+    script_enables(model, {"use_reentrant": True})  # the script's choice, not gputui's
+    before, hooks = layer_state(model), input_hooks(model)
+    switch = Checkpointing(model)
+    assert switch.enabled
+    switch.set(False)
+    assert not checkpoints(model)
+    switch.set(True)
+    assert layer_state(model) == before, "on again is the script's setting (its function, its use_reentrant)"
+    switch.set(False)
+    switch.remove()
+    assert layer_state(model) == before and input_hooks(model) == hooks
+
+
+class Seen(Sink):
+    def on_start(self, info):
+        self.info = info
+        self.samples = []
+
+    def on_sample(self, sample):
+        self.samples.append(sample.checkpointing)
+
+    def on_end(self, summary):
+        self.summary = summary
+
+
+def lm_step(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def lm_batches(n=4):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(64, (4, 8), generator=generator) for _ in range(n)]
+
+
+def runs_of(module):
+    """How many times `module` runs: twice a step inside a checkpointed layer (recomputed in backward)."""
+    runs = [0]
+    handle = module.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    return runs, handle
+
+
+@pytest.mark.parametrize(
+    ("script", "argument"), [(True, None), (True, True), (True, False), (False, None), (False, True), (False, False)]
+)
+def test_fit_starts_as_the_model_is_unless_told_and_leaves_it_as_the_script_set_it(gpt2, hub, script, argument):
+    model = gpt2()
+    if script:
+        script_enables(model)
+    before = layer_state(model)
+    seen = Seen()
+    hub.add_sink(seen)
+    runs, handle = runs_of(model.transformer.h[0].mlp)
+    result = gputui.fit(
+        model, lm_batches(), lm_step, torch.optim.SGD(model.parameters(), lr=0.1), checkpointing=argument
+    )
+    handle.remove()
+    on = script if argument is None else argument
+    assert result.checkpointing == seen.summary.checkpointing == seen.info.checkpointing == on
+    assert seen.info.checkpointing_how == "hugging face" and seen.samples == [on] * 4
+    assert runs[0] == 4 * (2 if on else 1), "reported on exactly when the layers are recomputed"
+    assert checkpoints(model) == script and layer_state(model) == before
+
+
+def test_toggling_a_hugging_face_models_checkpointing_mid_run(gpt2, hub):
+    model = gpt2()
+    script_enables(model, {"use_reentrant": True})
+    before = layer_state(model)
+    seen = Seen()
+    hub.add_sink(seen)
+    hub.add_sink(RequestAt(hub, 2, "set_checkpointing", False))
+    hub.add_sink(RequestAt(hub, 4, "set_checkpointing", True))
+    result = gputui.fit(model, lm_batches(6), lm_step, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert seen.samples == [True, True, False, False, True, True] and result.checkpointing
+    assert layer_state(model) == before
+
+
+def test_hugging_face_checkpointing_trains_the_same(gpt2):
+    """The same steps with and without checkpointing, however each was switched on, give the same weights."""
+    models = [gpt2() for _ in range(4)]
+    script_enables(models[1])
+    script_enables(models[2])
+    for model, argument in zip(models, (None, None, False, True), strict=True):
+        gputui.fit(model, lm_batches(), lm_step, torch.optim.SGD(model.parameters(), lr=0.1), checkpointing=argument)
+    for model in models[1:]:
+        assert_same_weights(models[0], model, atol=1e-6, rtol=1e-5)
 
 
 def test_precision_modes():
