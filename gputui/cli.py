@@ -176,7 +176,7 @@ def _run(options: argparse.Namespace) -> int:
                 # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
                 # the TUI and in fit; else a save would replay a second one into the ignore and go on.
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                return run_script(options.script, options.args, observe=hub)
+                return run_script(options.script, options.args, observe=hub, output=hub.output.write)
             from .tui.runner import run_tui
 
             return run_tui(hub, options.script, options.args, options.refresh)

@@ -54,17 +54,19 @@ def user_traceback(exc: BaseException) -> str:
 
 
 class _Tee:
-    """A stream that passes everything through and shows the text to the loss parser too."""
+    """A stream that passes everything through and shows the text to the loss parser too (and,
+    headless, to the hub's output, which attach clients read)."""
 
-    def __init__(self, stream: TextIO, feed: Callable[[str], None]) -> None:
-        self._stream, self._feed = stream, feed
+    def __init__(self, stream: TextIO, feeds: tuple[Callable[[str], None], ...]) -> None:
+        self._stream, self._feeds = stream, feeds
 
     def write(self, text: str) -> int:
         written = self._stream.write(text)
-        try:
-            self._feed(text)
-        except Exception:
-            pass
+        for feed in self._feeds:
+            try:
+                feed(text)
+            except Exception:
+                pass
         return written
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, flush...: the real stream's
@@ -72,15 +74,16 @@ class _Tee:
 
 
 @contextlib.contextmanager
-def _observed(hub: Any) -> Iterator[Any]:
+def _observed(hub: Any, output: Callable[[str], None] | None) -> Iterator[Any]:
     """The zero-change observer around the script (a fit() inside takes over from it)."""
     from .engine.observe import Observer
     from .telemetry.lossparse import LossParser
 
     observer = Observer(hub)
     parser = LossParser(observer.printed)
+    feeds = (parser.feed,) if output is None else (parser.feed, output)
     streams = sys.stdout, sys.stderr
-    tees = _Tee(streams[0], parser.feed), _Tee(streams[1], parser.feed)
+    tees = _Tee(streams[0], feeds), _Tee(streams[1], feeds)
     sys.stdout, sys.stderr = tees
     try:
         with observer.installed():
@@ -112,18 +115,27 @@ def _run_main(path: str) -> None:
             sys.modules["__main__"] = saved
 
 
-def run_script(path: str, args: list[str], *, err: TextIO | None = None, observe: Any = None) -> int:
+def run_script(
+    path: str,
+    args: list[str],
+    *,
+    err: TextIO | None = None,
+    observe: Any = None,
+    output: Callable[[str], None] | None = None,
+) -> int:
     """Run `path` as __main__ with `args`; returns the exit code `python path args` would give.
 
     With `observe` (the hub), a script running its own loop is watched (engine/observe.py), and
-    an OOM that ends it is diagnosed before its traceback."""
+    an OOM that ends it is diagnosed before its traceback; `output` then also gets what the script
+    writes to sys.stdout and sys.stderr, through the observer's tee (headless: the hub's output,
+    for attach; the TUI captures the streams itself)."""
     err = err or sys.stderr
     check_script(path)
     name = os.path.basename(path)
     observing = contextlib.ExitStack()
     # Installed before the script's folder goes on sys.path: a models.py or utils.py there must
     # not shadow what torch imports (the script itself then sees what python would show it).
-    observer = observing.enter_context(_observed(observe)) if observe is not None else None
+    observer = observing.enter_context(_observed(observe, output)) if observe is not None else None
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))

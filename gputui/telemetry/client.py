@@ -23,6 +23,7 @@ from typing import Any
 
 from .describe import describe
 from .hub import Hub
+from .output import left_out
 from .paths import ForeignPeer, check_peer, pid_alive
 from .protocol import MAX_SERVER_LINE, ProtocolError, encode, parse_server
 from .run import NUMBER, RunInfo, RunSummary
@@ -240,6 +241,7 @@ _KINDS: dict[str, dict[str, Any]] = {
     "event": {"name": str, "step": int, "t": NUMBER},
     "history": {"series": dict},
     "gpus": {"t": NUMBER, "driver": str, "status": str, "devices": list},
+    "output": {"lines": list, "current": str, "total": int, "dropped": int},
     "ack": {"id": int, "request_id": int, "hello": bool, "control": bool},
     "error": {"id": int, "reason": str},
 }
@@ -281,6 +283,9 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
                 x is None or isinstance(x, NUMBER) for x in series.get("values") or ()
             ):
                 raise ProtocolError(f"the history of {name} holds a non-number")
+    elif kind == "output":
+        if not all(isinstance(line, str) for line in record.get("lines") or ()):
+            raise ProtocolError("an output record's lines hold a non-string")
     elif kind == "gpus":
         for device in record.get("devices") or ():
             _fields(device, _DEVICE, "a GPU")
@@ -297,6 +302,7 @@ class Mirror:
         self.hub = Hub()
         self.history: dict[str, tuple[list[int], list[float], int]] | None = None
         self.generation = 0  # bumped on every (re)connection: the view starts over from the welcome
+        self.printed = 0  # lines of the job's output replayed, over all connections: a welcome repeats some
         self.status: str | None = "connecting…"
         self.ended = False
         self._conn: Connection | None = None
@@ -403,12 +409,33 @@ class Mirror:
                 hub.end(RunSummary.from_json(record["summary"]))
             elif kind == "gpus":
                 hub.publish_gpus(GpuReading.from_json(record))
+            elif kind == "output":
+                self._replay_output(hub, record)
             elif kind in ("ack", "error") and "id" in record:
                 with self._lock:
                     waiting = self._acks.pop(record["id"], None)
                 if waiting is not None:
                     waiting[1].append(record)
                     waiting[0].set()
+
+    def _replay_output(self, hub: Hub, record: dict[str, Any]) -> None:
+        """The job's output lines this mirror has not replayed yet (a reconnection's welcome repeats
+        some), after a line saying how many it never got, and why."""
+        lines: list[str] = record.get("lines") or []
+        dropped = record.get("dropped") or 0
+        total = record.get("total")
+        total = self.printed + dropped + len(lines) if total is None else total
+        new = max(0, total - self.printed)
+        lines = lines[len(lines) - new :] if new < len(lines) else lines
+        gap = new - len(lines)
+        if gap > 0:
+            if dropped:
+                why = "the job printed faster than attach sends"
+            else:
+                why = "printed while disconnected" if self.printed else "printed before attaching"
+            lines = [left_out(gap, why), *lines]
+        self.printed = max(self.printed, total)
+        hub.output.add(lines, record.get("current"))
 
 
 def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[str, Any] | None:

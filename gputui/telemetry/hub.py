@@ -1,4 +1,5 @@
-"""The process's telemetry hub: the ring of recent samples, the events, the sinks and the controls.
+"""The process's telemetry hub: the ring of recent samples, the events, the sinks, the controls and
+the script's output.
 
 One hub per process. The launcher (`gputui run`, the TUI) installs one with its settings before
 the script starts; `fit()` publishes into whichever hub is installed, or makes its own when the
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .controls import Controls
+from .output import OutputLog
 from .run import RunInfo, RunSummary
 from .sample import Event, GpuReading, StepSample
 
@@ -55,6 +57,9 @@ class Hub:
     def __init__(self, overrides: Overrides | None = None, *, ring_size: int = 4096) -> None:
         self.overrides = overrides or Overrides()
         self.controls = Controls()
+        # The script's output, written by what captures it (the TUI, or headless gputui run's tee);
+        # the socket server and the TUI read it. Its own lock: a print never waits on a sample.
+        self.output = OutputLog()
         self._lock = threading.Lock()
         self._samples: deque[StepSample] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)

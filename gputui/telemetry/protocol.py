@@ -1,7 +1,7 @@
 """The attach protocol: newline-delimited JSON objects, each with "v" (the version) and "kind".
 
 Server to client: hello (who the job is), history (the run so far, in bounded points), then
-start / step / event / end / gpus records as they happen, ack / error answers to a client's
+start / step / event / end / gpus / output records as they happen, ack / error answers to a client's
 requests, and live (the history is over). Client to server: hello (optionally asking for
 control) and control requests. Client lines are small, bounded and checked field by field:
 nothing a client sends is ever evaluated or unpickled. Server lines are stripped of control

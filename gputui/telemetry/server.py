@@ -7,7 +7,9 @@ what it missed; nothing is resent), and past MAX_BUFFERED for all clients togeth
 furthest behind goes first, so stuck or hostile clients cost the job a bounded few megabytes.
 Only the owning user can connect (0700 folder, 0600 socket, and the peer's uid checked where
 the OS tells it); only a connection that asked for control may steer, and only a few requests
-at a time (each may cost the training thread a step's worth of work).
+at a time (each may cost the training thread a step's worth of work). The script's output goes out
+as whole lines, at a bounded rate: a script printing in a tight loop costs the clients (and this
+thread's share of the GIL) no more than a steady trickle, and they are told how much they missed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,47 @@ TICK = 0.05
 RECENT_EVENTS = 200
 """Events a new client receives as the past."""
 
+RECENT_OUTPUT = 200
+"""Lines of the script's output a new client receives as the past."""
+
+OUTPUT_LINES = 1000
+"""Lines of output a second sent at most (a second's worth at once): past it the older lines of a
+turn are dropped, and the record says how many."""
+
+OUTPUT_CHARS = 256 * 1024
+"""Characters of output a second sent at most, likewise (lines are cut at output.LINE_LIMIT): a flood
+of long lines costs a client at most this (a few times it in JSON) a second."""
+
+
+class _Budget:
+    """Output lines and characters the clients may get now: refilled at OUTPUT_LINES and OUTPUT_CHARS
+    a second, up to one second's worth."""
+
+    def __init__(self) -> None:
+        self.lines, self.chars, self._at = float(OUTPUT_LINES), float(OUTPUT_CHARS), time.monotonic()
+
+    def take(self, lines: list[str]) -> list[str]:
+        """The newest of `lines` the budget allows (spent)."""
+        now = time.monotonic()
+        self.lines = min(float(OUTPUT_LINES), self.lines + (now - self._at) * OUTPUT_LINES)
+        self.chars = min(float(OUTPUT_CHARS), self.chars + (now - self._at) * OUTPUT_CHARS)
+        self._at = now
+        kept = _newest(lines, int(self.lines), int(self.chars))
+        self.lines -= len(kept)
+        self.chars -= sum(map(len, kept))
+        return kept
+
+
+def _newest(lines: list[str], count: int, chars: int) -> list[str]:
+    """The last lines of `lines`, at most `count` of them holding at most `chars` characters."""
+    kept = 0
+    for line in reversed(lines[-count:] if count > 0 else []):
+        chars -= len(line)
+        if chars < 0:
+            break
+        kept += 1
+    return lines[len(lines) - kept :]
+
 
 @dataclass
 class _Peer:
@@ -88,6 +131,13 @@ class TelemetryServer:
         self._series = RunSeries()
         self._gpus: Any = None
         self._gpus_at = 0.0
+        # The script's output as read from hub.output: lines read (the job's count of them), the
+        # recent ones, the line being written, and how much more the clients may get now.
+        self._printed = 0
+        self._output_writes = 0
+        self._recent_output: deque[str] = deque(maxlen=RECENT_OUTPUT)
+        self._current = ""
+        self._budget = _Budget()
         self._welcome: bytes | None = None  # built on the first accept after the run changed, not per accept
         self._waiting: set[int] = set()  # request ids, from every connection, not answered yet
         self.started = time.time()
@@ -164,7 +214,8 @@ class TelemetryServer:
             except Exception as exc:
                 sys.stderr.write(f"gputui: telemetry server error: {type(exc).__name__}: {exc}\n")
                 time.sleep(TICK)
-        self._broadcast_queue()  # the last records (the end line) before closing
+        self._broadcast_queue()  # the last records (the end line, the last lines printed) before closing
+        self._broadcast_output()
         for peer in list(self._peers.values()):
             self._flush(peer, final=True)
 
@@ -186,6 +237,8 @@ class TelemetryServer:
                 self._flush(peer)
         self._broadcast_queue()
         self._broadcast_gpus()
+        if self._peers:  # else a client that connects gets the recent lines in its welcome
+            self._broadcast_output()
         for peer in list(self._peers.values()):
             if peer.outbox:
                 self._flush(peer)
@@ -221,6 +274,7 @@ class TelemetryServer:
                     pass
                 sock.close()
                 continue
+            self._broadcast_output()  # the clients there have the lines the newcomer's welcome ends with
             peer = _Peer(sock, cred[0] if cred else None)
             self._peers[sock] = peer
             self._selector.register(sock, selectors.EVENT_READ, peer)
@@ -245,6 +299,9 @@ class TelemetryServer:
                 records.append(clean(self._last_step.to_json()))
             if self._gpus is not None:
                 records.append(self._gpus)
+            if self._printed or self._current:
+                lines = _newest(list(self._recent_output), RECENT_OUTPUT, OUTPUT_CHARS)
+                records.append(self._output_record(lines, dropped=0))
             records.append({"kind": "live"})
             self._welcome = b"".join(encode(record) for record in records)
         return self._welcome
@@ -354,6 +411,33 @@ class TelemetryServer:
         for peer in self._peers.values():
             peer.waiting -= ids
         self._waiting -= ids
+
+    def _broadcast_output(self) -> None:
+        """What the script printed since the last turn: into the recent lines, and to the clients as
+        one record, within the budget (the oldest lines dropped, and counted, past it)."""
+        log = self.hub.output
+        if log.writes == self._output_writes:
+            return
+        self._output_writes = log.writes
+        lines, total = log.since(self._printed, limit=max(RECENT_OUTPUT, OUTPUT_LINES))
+        current = log.current
+        missed = total - self._printed - len(lines)  # more than the hub's log holds since the last turn
+        if not lines and not missed and current == self._current:
+            return
+        self._printed, self._current = total, current
+        self._recent_output.extend(lines[-RECENT_OUTPUT:])
+        self._welcome = None
+        if not self._peers:
+            return
+        sent = self._budget.take(lines)
+        line = encode(self._output_record(sent, dropped=missed + len(lines) - len(sent)))
+        for peer in list(self._peers.values()):
+            peer.outbox += line
+
+    def _output_record(self, lines: list[str], dropped: int) -> dict[str, Any]:
+        """`total`: lines the script has printed (the last of `lines` is that one), so a client that
+        reconnects knows which it has; `dropped`: lines before these that were not sent."""
+        return {"kind": "output", "lines": lines, "current": self._current, "total": self._printed, "dropped": dropped}
 
     def _broadcast_gpus(self) -> None:
         now = time.monotonic()

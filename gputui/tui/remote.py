@@ -12,7 +12,8 @@ WATCH_ONLY = "watch-only: attach with --control to steer"
 
 
 class RemoteSource:
-    """The mirror's hub read as a local one, started over (with the job's history) at each connection."""
+    """The mirror's hub read as a local one, started over (with the job's history) at each connection;
+    the job's output lines come once each, over all connections (the mirror leaves out those it has)."""
 
     def __init__(self, mirror: Mirror, *, control: bool) -> None:
         self.mirror = mirror

@@ -20,7 +20,6 @@ from typing import Any
 from .. import interrupts
 from ..launch import detach_from_terminal, run_script
 from .app import GputuiApp
-from .output import OutputLog
 from .sources import LocalSource
 from .terminal import Terminal, guarded_terminal
 
@@ -101,7 +100,7 @@ def _install_signals(app: GputuiApp, hub: Any, terminal: Terminal, hung_up: list
 
 
 def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
-    output = OutputLog()
+    output = hub.output  # the script's output: the app shows it, attach clients get it from the hub
     hung_up: list[bool] = []
     raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
     with guarded_terminal(output.write) as terminal:  # what C code writes joins the script's log
@@ -110,7 +109,7 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
             script=os.path.basename(script),
             runner=lambda err: run_script(script, args, err=err, observe=hub),
             refresh=refresh,
-            output=output,
+            printed=output.write,
         )
         _install_signals(app, hub, terminal, hung_up, raised)
         app.run()

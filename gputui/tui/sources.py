@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..telemetry.hub import Hub
+from ..telemetry.output import left_out
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, StepSample
 
@@ -22,6 +24,8 @@ class Update:
     reset: bool = False  # start the view over (a remote job, just (re)connected)
     history: dict[str, tuple[list[int], list[float], int]] | None = None  # the run so far, for a reset
     banner: str | None = None  # the connection's state, when it is not simply live
+    output: Sequence[str] = ()  # the script's new output lines
+    current: str | None = None  # the line it is writing now, when that changed
 
 
 class Source(Protocol):
@@ -42,11 +46,31 @@ class LocalSource:
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self._cursor = (0, 0)
+        self._printed = 0  # lines of the hub's output read
+        self._writes = 0
+        self._current: str | None = None  # what the reader was last told: None, so the first poll tells it
 
     def poll(self) -> Update:
         samples, events, self._cursor = self.hub.since(self._cursor)
         hub = self.hub
-        return Update(samples, events, hub.info, hub.summary, hub.gpus, hub.runs)
+        lines, current = self._output()
+        return Update(samples, events, hub.info, hub.summary, hub.gpus, hub.runs, output=lines, current=current)
+
+    def _output(self) -> tuple[list[str], str | None]:
+        """The hub's output lines since the last poll, and its current line if it changed."""
+        log = self.hub.output
+        if log.writes == self._writes:
+            return [], None
+        self._writes = log.writes
+        lines, total = log.since(self._printed)
+        if total - self._printed > len(lines):  # the log dropped lines before this poll came
+            lines.insert(0, left_out(total - self._printed - len(lines), "printed faster than the screen reads"))
+        self._printed = total
+        current = log.current
+        if current == self._current:
+            return lines, None
+        self._current = current
+        return lines, current
 
     def request(self, action: str, value: Any = None) -> int | None:
         return self.hub.controls.request(action, value, source="tui").id

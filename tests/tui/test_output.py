@@ -3,8 +3,8 @@
 from conftest import text, until
 from textual.widgets import RichLog, Static
 
+from gputui.telemetry.output import OutputLog
 from gputui.tui.app import GputuiApp
-from gputui.tui.output import OutputLog
 from gputui.tui.screens import LogScreen
 from gputui.tui.sources import LocalSource
 

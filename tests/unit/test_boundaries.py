@@ -60,5 +60,5 @@ def test_the_tui_never_imports_torch(module):
 
 
 def test_the_view_model_needs_neither():
-    loaded = modules_after("import gputui.tui.view, gputui.tui.sources, gputui.tui.output")
+    loaded = modules_after("import gputui.tui.view, gputui.tui.sources, gputui.telemetry.output")
     assert "textual" not in loaded and "torch" not in loaded
