@@ -1,12 +1,14 @@
 """Demo: a small GPT-style language model on synthetic tokens from a random Markov chain.
 
-python demos/gpt.py                        # small, quick on a CPU
+python demos/gpt.py                        # small: about a minute on a CPU (q stops it sooner)
+python demos/gpt.py --steps 200            # a quick run
 python demos/gpt.py --width 768 --layers 12 --seq 1024 --batch 32   # big enough to hurt a GPU
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import common
 import torch
@@ -36,7 +38,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(width, 4 * width), act=nn.GELU(), fc2=nn.Linear(4 * width, width))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -101,7 +105,8 @@ class MarkovTokens:
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0], steps=200, batch=32)
+    # 1500 steps: about a minute on a CPU, long enough to press the keys and watch them act.
+    p = common.parser(__doc__.splitlines()[0], steps=1500, batch=32)
     p.add_argument(
         "--size",
         choices=sorted(SIZES),

@@ -201,7 +201,7 @@ class RunSession:
         elif action == "memory_summary":
             self.emit("memory_summary", control, text=torch.cuda.memory_summary(self.device))
         elif action == "top_tensors":
-            self.emit("top_tensors", control, **top_training_tensors(self.parameters(), self.optimizer))
+            self.emit("top_tensors", control, **top_training_tensors(self.parameters(), self.optimizer, self._tracked))
         else:
             return None
         return True

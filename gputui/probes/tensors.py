@@ -4,15 +4,19 @@ Groups the live, Python-visible tensors by shape, dtype, device and role (parame
 optimizer state, other), largest first. Storage shared by views counts once. The tensors the
 training loop knows (parameters, gradients, optimizer state) are always counted; the walk for
 the others stops at a time budget so a heap of millions of objects cannot stall training, and
-the report then says it is partial.
+the report then says it is partial. Where the model is known (fit), a group of training state
+names its parameters, indices folded (`blocks.*.mlp.fc1.weight`); an own loop's optimizer holds
+the parameters but not their names, so its groups go unnamed.
 """
 
 from __future__ import annotations
 
 import gc
+import re
 import time
 import warnings
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +26,11 @@ from .cpu import state_tensors, storage_key
 _CHUNK = 20_000
 """Objects checked between two looks at the clock."""
 
+NAMES = 3
+"""Name patterns a group lists (then "+N more"): the event stays a few KB however large the model."""
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
 
 def top_tensors(
     *,
@@ -30,9 +39,12 @@ def top_tensors(
     params: Iterable[torch.Tensor] = (),
     grads: Iterable[torch.Tensor] = (),
     optimizer_state: Iterable[torch.Tensor] = (),
+    names: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
+    """`names`: id(tensor) -> the name a group of training state lists (folded_names())."""
     start = time.monotonic()
     groups: dict[tuple[Any, ...], list[int]] = {}
+    named: dict[tuple[Any, ...], Counter[str]] = {}
     storages: set[int] = set()
     known: set[int] = set()
 
@@ -47,6 +59,9 @@ def top_tensors(
         if ptr not in storages:
             storages.add(ptr)
             group[1] += size
+        name = names.get(id(t)) if names else None
+        if name is not None:
+            named.setdefault(key, Counter())[name] += 1
 
     for role, tensors in (("parameter", params), ("gradient", grads), ("optimizer state", optimizer_state)):
         for t in tensors:
@@ -61,6 +76,7 @@ def top_tensors(
     return {
         "rows": [
             {"shape": list(k[0]), "dtype": k[1], "device": k[2], "role": k[3], "count": c, "bytes": b}
+            | ({"names": _listed(named[k])} if k in named else {})
             for k, (c, b) in rows[:limit]
         ],
         "groups": len(rows),
@@ -72,13 +88,44 @@ def top_tensors(
     }
 
 
-def top_training_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """top_tensors() with the training state named: the parameters, their gradients, the optimizer's state."""
+def top_training_tensors(
+    params: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    model: torch.nn.Module | list[torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """top_tensors() with the training state in its roles: the parameters, their gradients, the
+    optimizer's state; named after the parameters when `model` is a module (fit's; an own loop's
+    session tracks a list of tensors, which names nothing)."""
     return top_tensors(
         params=params,
         grads=[p.grad for p in params if p.grad is not None],
         optimizer_state=state_tensors(optimizer) if optimizer is not None else [],
+        names=folded_names(model, optimizer) if isinstance(model, torch.nn.Module) else None,
     )
+
+
+def folded_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
+    """id(tensor) -> its parameter's name with the indices of repeated modules folded into `*`
+    (`blocks.3.mlp.0.weight` -> `blocks.*.mlp.*.weight`), for each parameter, its gradient and the
+    tensors of its optimizer state; a compiled model's `_orig_mod.` prefix dropped."""
+    names: dict[int, str] = {}
+    by_param: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        folded = _INDEX.sub("*", name.removeprefix("_orig_mod."))
+        by_param[id(p)] = names[id(p)] = folded
+        if p.grad is not None:
+            names[id(p.grad)] = folded
+    for param, state in optimizer.state.items() if optimizer is not None else ():
+        owner = by_param.get(id(param))
+        if owner is not None and isinstance(state, dict):
+            names.update((id(t), owner) for t in state.values() if isinstance(t, torch.Tensor))
+    return names
+
+
+def _listed(counts: Counter[str]) -> list[str]:
+    """The most common name patterns of a group, then "+N more" for the rest."""
+    names = [name for name, _ in counts.most_common(NAMES)]
+    return names + [f"+{len(counts) - NAMES} more"] if len(counts) > NAMES else names
 
 
 def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:

@@ -23,12 +23,11 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer
 
+from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
 from .keys import BY_KEY, KEYS, Key, shown
 from .messages import RequestControl, ShowScreen
-from .output import OutputLog
 from .screens import (
     ConfirmQuit,
     FailureScreen,
@@ -41,7 +40,7 @@ from .screens import (
 )
 from .sources import Source
 from .view import RunView
-from .widgets import GpuLine, HeaderBar, LogPanel, LossPanel, MemoryPanel, Panel, RemediesBar, Timeline
+from .widgets import GpuLine, HeaderBar, KeysFooter, LogPanel, LossPanel, MemoryPanel, Panel, RemediesBar, Timeline
 
 Runner = Callable[[io.StringIO], int]
 """Runs the training script (writing any failure report to the stream); returns its exit code."""
@@ -95,11 +94,9 @@ class MainScreen(Screen[None]):
             yield Timeline(self.view, id="timeline")
             yield LogPanel(self.output, id="log")
         yield GpuLine(self.view, id="gpus")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
-        self.query_one("#memory").border_title = "memory"
-        self.query_one("#loss").border_title = "loss"
         self.query_one("#timeline").border_title = "events"
         self.query_one("#log").border_title = "script output"
         self.update()  # what the app pulled before the panels were up: laid out from the first frame
@@ -139,14 +136,18 @@ class GputuiApp(App[int]):
         runner: Runner | None = None,
         refresh: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
-        output: OutputLog | None = None,
+        printed: Callable[[str], None] | None = None,
     ) -> None:
+        """`printed`: where the app's print capture sends what it catches. `gputui run` gives the
+        hub's output (attach clients read it there; the source brings it back to `output`); by
+        default it goes straight into `output`."""
         super().__init__()
         self.source = source
         self.view = RunView(clock=clock, script=script)
         self.runner = runner
         self.refresh_hz = refresh
-        self.output = output or OutputLog()
+        self.output = OutputLog()  # the script's output as the source brings it
+        self._printed = printed or self.output.write
         self.script_code: int | None = None  # the script's exit code, once it has ended
         self._thread: threading.Thread | None = None
         self._quitting = False
@@ -183,7 +184,10 @@ class GputuiApp(App[int]):
     def pull(self) -> None:
         if not self.is_running:  # shutting down: the timer may tick while the screens are taken apart
             return
-        if self.view.apply(self.source.poll()) or self.view.training:
+        update = self.source.poll()
+        self.output.add(update.output, update.current)
+        printed = bool(update.output) or update.current is not None
+        if self.view.apply(update) or self.view.training or printed:
             self.show()
 
     def show(self) -> None:
@@ -206,14 +210,14 @@ class GputuiApp(App[int]):
         self.pull()  # the last samples first: a short run can end between two pulls
         failure = message.report or (f"exit code {message.code}" if message.code else None)
         self.view.script_ended(message.code, failure if message.code else None)
-        self.pull()
+        self.show()  # changed outside a pull: a script that never started a run leaves "starting" too
         if self._quitting:
             self.exit(message.code)
         elif message.code:
             self.push_screen(FailureScreen(self.view))
 
     def on_print(self, event: events.Print) -> None:
-        self.output.write(event.text)
+        self._printed(event.text)
 
     # -- keys ------------------------------------------------------------------------------------
     def why_not(self, action: str) -> str | None:

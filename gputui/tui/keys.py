@@ -36,7 +36,7 @@ KEYS = (
         "c",
         "toggle_checkpointing",
         "ckpt",
-        "Activation checkpointing on the model's repeated blocks: "
+        "Activation checkpointing on the model's repeated blocks (a Hugging Face model's own switch): "
         "recompute activations in backward instead of keeping them (less memory, ~30% more compute).",
         "set_checkpointing",
     ),

@@ -16,11 +16,11 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Static
 
+from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
 from ..units import format_bytes, format_figure
 from .keys import KEYS, shown
 from .messages import RequestControl, ShowScreen
-from .output import OutputLog
 from .view import RunView
 
 
@@ -159,7 +159,7 @@ class TopTensorsScreen(Overlay):
     def compose(self) -> ComposeResult:
         yield Static("Scanning the live tensors at the next step boundary…", id="top-status")
         table: DataTable[str | Text] = DataTable(id="top-table", zebra_stripes=True, cursor_type="row")
-        table.add_columns("bytes", "count", "shape", "dtype", "device", "role")
+        table.add_columns("bytes", "count", "shape", "dtype", "device", "role", "names")
         yield table
         yield Footer()
 
@@ -194,11 +194,15 @@ class TopTensorsScreen(Overlay):
                 r["dtype"],
                 r["device"],
                 r["role"],
+                ", ".join(r.get("names", ())),
             )
         note = "" if e.get("complete", True) else " (scan cut short at its time budget: a partial view)"
+        unnamed = (
+            " An own loop's tensors go unnamed: gputui sees its optimizer, not its model." if self.view.observed else ""
+        )
         self.query_one("#top-status", Static).update(
             f"{format_bytes(e['total_bytes'])} in {e['tensors']} tensors ({e['groups']} groups) at step "
-            f"{e.step}, scanned in {e['elapsed_s'] * 1000:.0f} ms{note}. Views share storage: counted once. "
+            f"{e.step}, scanned in {e['elapsed_s'] * 1000:.0f} ms{note}. Views share storage: counted once.{unnamed} "
             "r rescans."
         )
 

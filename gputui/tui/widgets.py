@@ -5,39 +5,87 @@ what it shows (`shows()`) changed since it last drew."""
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from rich.console import Group, RenderableType
 from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
 from textual.widget import Widget
+from textual.widgets import Footer
+from textual.widgets._footer import FooterKey  # the footer's key widget: textual.widgets does not export it
 
+from ..telemetry.output import OutputLog
 from ..telemetry.sample import GpuDevice, HostReading, Memory
 from ..units import format_bytes, format_bytes_short, format_duration, format_figure
 from .chart import Series, plot, smooth
-from .keys import KEYS
-from .output import OutputLog
+from .keys import BY_ACTION, KEYS, shown
 from .view import RunView
 
 # Segment styles of the memory bar (readable on dark and light themes: Rich named colours).
 ALLOCATED, FRAGMENTED, CACHED, OTHER, FREE = "bold blue", "bold yellow", "cyan", "magenta", "dim"
+PEAK = "yellow"  # the memory chart's step-peak line
+RAW, SMOOTHED = "dim", "bold green"  # the loss chart's lines
 WARN_AT = 0.90  # of capacity: the panel warns when the step peak passes it
+GAP, DOT = "  ", " · "  # between the entries of a legend, between figures
+
+
+def flow(items: Sequence[Text], width: int, gap: str = GAP) -> list[Text]:
+    """The items on as few lines of `width` as they take, in order and each whole: a legend wraps
+    between its entries, never inside one (an entry wider than the line is cut with an ellipsis)."""
+    lines: list[Text] = []
+    for item in items:
+        if lines and lines[-1].cell_len + len(gap) + item.cell_len <= width:
+            lines[-1].append(gap).append_text(item)
+        else:
+            lines.append(Text(no_wrap=True, overflow="ellipsis").append_text(item))
+    return lines
+
+
+def swatch(style: str, label: str) -> Text:
+    """A legend entry: a square in the colour it names, then the label."""
+    return Text().append("■", style=style).append(f" {label}")
+
+
+def legend(title: str, lines: Sequence[tuple[str, str]]) -> Text:
+    """A chart's border title: its name, then each line's mark in that line's colour."""
+    text = Text(title)
+    for label, style in lines:
+        text.append(" ").append(f"━ {label}", style=style)
+    return text
 
 
 class Panel(Widget):
     """A widget drawn from data it was given; redrawn only when that data changed."""
 
     _drawn: Hashable = None
+    _titled: Text | None = None
 
     def shows(self) -> Hashable:
         """A cheap key of what the panel shows: the same key, the same picture."""
         raise NotImplementedError
 
+    def title(self) -> Text | None:
+        """The border title, for a panel that makes its own (a chart's legend follows its lines)."""
+        return None
+
     def redraw(self) -> None:
         """Refresh if what the panel shows changed since it last drew (a resize redraws by itself)."""
+        self._retitle()
         key = self.shows()
         if key != self._drawn:
             self._drawn = key
-            self.refresh()
+            height = self.styles.height
+            self.refresh(layout=height is not None and height.is_auto)  # its lines may grow or shrink
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._retitle()  # a legend shortens on a narrow panel
+
+    def _retitle(self) -> None:
+        title = self.title()
+        if title is not None and title != self._titled:
+            self._titled = title
+            self.border_title = title
 
 
 class RunPanel(Panel):
@@ -102,25 +150,37 @@ class MemoryPanel(RunPanel):
     """The device's capacity as one bar, the figures beside it, and the run's memory history."""
 
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen, self.view.ooms
+        return self.view.generation, self.view.samples_seen, self.view.ooms, self.view.exit_code
+
+    def title(self) -> Text:
+        if not self.view.samples_seen:
+            return Text("memory")
+        wide = self.size.width >= 50
+        lines = [("reserved" if wide else "resv", CACHED)] if len(self.view.series.reserved) else []
+        lines.append(("peak", PEAK))
+        cpu = self.view.latest is not None and self.view.latest.memory.reserved is None
+        lines.append(("tracked" if cpu else "allocated" if wide else "alloc", ALLOCATED))
+        return legend("memory", lines)
 
     def render(self) -> RenderableType:
         v = self.view
         width, height = self.content_size.width, self.content_size.height
         m = v.latest.memory if v.latest else None
         if m is None:
+            if v.exit_code is not None:
+                return Text("no training step: the script ended\nl shows what it printed", style="dim")
             return Text("waiting for the first step…", style="dim")
         host = v.latest.host if v.latest else None
         lines: list[RenderableType] = [memory_bar(m, width, host)]
         lines.extend(memory_figures(m, width, v.ooms, host))
-        warning = memory_warning(m)
+        warning = memory_warning(m, width, remedies=not v.observed)
         if warning:
-            lines.append(Text(warning, style="bold red"))
+            lines.extend(Text(warning, style="bold red").wrap(self.app.console, width))
         rows = height - len(lines) - 1
         if rows >= 2:
             h = v.series
             series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
-            series += [Series(h.peak.values, "yellow", peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
+            series += [Series(h.peak.values, PEAK, peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
             top = m.capacity if m.capacity and m.capacity < 2 * max(h.peak.values or [0]) else None
             lines.extend(plot(series, width, rows, low=0, high=top, label=format_bytes_short))
             lines.append(axis(h.allocated.steps, width))
@@ -162,56 +222,67 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
 
 
 def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = None) -> list[Text]:
+    """The bar's legend with its figures, then the peak and counters, each wrapped between entries
+    to the panel's width: short labels and sizes below 56 columns, the details that fit above."""
     long = width >= 56
     size = format_bytes if long else format_bytes_short
-    capacity = f" of {size(m.capacity)}" if m.capacity else ""
+    oom_count = max(ooms, m.ooms or 0)
+    counted = Text(f"OOMs {oom_count}", style="bold red" if oom_count else "")
     if m.reserved is not None:
-        first = Text(no_wrap=True, overflow="ellipsis")
-        first.append("■", style=ALLOCATED).append(f" {'allocated' if long else 'alloc'} {size(m.allocated)}  ")
-        first.append("■", style=CACHED).append(f" {'reserved' if long else 'resv'} {size(m.reserved)}  ")
-        first.append("■", style=FRAGMENTED).append(f" {'fragmented' if long else 'frag'} {size(m.fragmented)}")
-        second = Text(f"peak {size(m.peak)}{capacity}", no_wrap=True, overflow="ellipsis")
-        second.append(f" · retries {m.alloc_retries or 0}", style="bold red" if m.alloc_retries else "")
-        second.append(f" · OOMs {max(ooms, m.ooms or 0)}", style="bold red" if ooms or m.ooms else "")
-        lines = [first, second]
-        if m.nvml_used is not None or m.nvml_device_used is not None:
-            nvml = Text(no_wrap=True, overflow="ellipsis")
-            if m.nvml_gap is not None:
-                nvml.append("■", style=OTHER).append(
-                    f" NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch"
-                    + (" (CUDA context, libraries)" if long else "")
-                )
-            else:
-                nvml.append("■", style=OTHER).append(f" NVML device used {size(m.nvml_device_used)} (all processes)")
-            lines.append(nvml)
+        entries = [
+            swatch(ALLOCATED, f"{'allocated' if long else 'alloc'} {size(m.allocated)}"),
+            swatch(CACHED, f"{'reserved' if long else 'resv'} {size(m.reserved)}"),
+            swatch(FRAGMENTED, f"{'fragmented' if long else 'frag'} {size(m.fragmented)}"),
+        ]
+        figures = [Text(f"peak {size(m.peak)}" + (f" of {size(m.capacity)}" if m.capacity else ""))]
+        if long or m.alloc_retries:  # none is the usual case: a narrow panel says so only when there are
+            figures.append(Text(f"retries {m.alloc_retries or 0}", style="bold red" if m.alloc_retries else ""))
+        lines = flow(entries, width) + flow([*figures, counted], width, DOT)
+        if m.nvml_gap is not None:
+            nvml = swatch(OTHER, f"NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch")
+            detail = " (CUDA context, libraries)"
+            if nvml.cell_len + len(detail) <= width:
+                nvml.append(detail)
+            lines += flow([nvml], width)
+        elif m.nvml_device_used is not None:
+            lines += flow([swatch(OTHER, f"NVML device used {size(m.nvml_device_used)} (all processes)")], width)
         return lines
-    first = Text(no_wrap=True, overflow="ellipsis")
-    second = Text(f"tracked {size(m.allocated)} · peak {size(m.peak)}", no_wrap=True, overflow="ellipsis")
+    figures = [Text(f"tracked {size(m.allocated)}")]
     if m.capacity or host is None or not host.system_total:
-        first.append("■", style=ALLOCATED).append(f" params {size(m.params)}  ")
-        first.append("■", style=CACHED).append(f" optim {size(m.optimizer)}  ")
-        first.append("■", style=OTHER).append(" grads+acts")
-        if m.capacity:
-            second.append(f" / {size(m.capacity)} budget")
-        second.append(f" · RSS {size(m.rss)}", style="dim")
+        acts = None if m.grads is None and m.activations is None else (m.grads or 0) + (m.activations or 0)
+        entries = [
+            swatch(ALLOCATED, f"params {size(m.params)}"),
+            swatch(CACHED, f"optim {size(m.optimizer)}"),
+            swatch(OTHER, "grads+acts" + (f" {size(acts)}" if acts is not None else "")),
+        ]
+        budget = (f" / {size(m.capacity)} budget" if long else f" of {size(m.capacity)}") if m.capacity else ""
+        figures.append(Text(f"peak {size(m.peak)}{budget}"))
+        figures.append(Text(f"RSS {size(m.rss)}", style="dim"))
     else:  # the bar is the machine's memory
-        first.append("■", style=ALLOCATED).append(f" {'training state' if long else 'state'} {size(m.allocated)}  ")
-        first.append("■", style=CACHED).append(f" {'process' if long else 'proc'} {size(host.rss)}  ")
-        first.append("■", style=OTHER).append(
-            f" {'other processes' if long else 'others'} {size((host.system_used or 0) - (host.rss or 0))}"
-        )
-        second.append(f" · system {size(host.system_used)} / {size(host.system_total)}")
-    second.append(f" · OOMs {ooms}", style="bold red" if ooms else "")
-    return [first, second]
+        others = (host.system_used or 0) - (host.rss or 0)
+        entries = [
+            swatch(ALLOCATED, f"{'training state' if long else 'state'} {size(m.allocated)}"),
+            swatch(CACHED, f"{'process' if long else 'proc'} {size(host.rss)}"),
+            swatch(OTHER, f"{'other processes' if long else 'others'} {size(others)}"),
+        ]
+        figures.append(Text(f"peak {size(m.peak)}"))
+        figures.append(Text(f"system {size(host.system_used)} / {size(host.system_total)}"))
+    return flow(entries, width) + flow([*figures, Text(f"OOMs {ooms}", style="bold red" if ooms else "")], width, DOT)
 
 
-def memory_warning(m: Memory) -> str | None:
+def memory_warning(m: Memory, width: int, remedies: bool = True) -> str | None:
+    """The step peak near the capacity, with the keys that lower it (fit's run only: an own loop's
+    keys cannot), named in full where the panel is wide enough."""
     if not m.capacity or not m.peak:
         return None
     share = m.peak / m.capacity
     if share < WARN_AT:
         return None
-    return f"▲ step peak at {share:.0%} of capacity: b halves the micro-batch, c checkpoints, a mixed precision"
+    if not remedies:
+        return f"▲ step peak at {share:.0%} of capacity"
+    if width >= 56:
+        return f"▲ step peak at {share:.0%} of capacity: b halves the micro-batch, c checkpoints, a mixed precision"
+    return f"▲ peak at {share:.0%} of capacity: b, c or a"
 
 
 def axis(steps: list[int], width: int, gutter: int = 8) -> Text:
@@ -224,46 +295,53 @@ def axis(steps: list[int], width: int, gutter: int = 8) -> Text:
 
 class LossPanel(RunPanel):
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen
+        return self.view.generation, self.view.samples_seen, self.view.exit_code
+
+    def title(self) -> Text:
+        return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
 
     def render(self) -> RenderableType:
         v = self.view
         width, height = self.content_size.width, self.content_size.height
         if not len(v.series.loss):
-            return Text("waiting for the first loss…", style="dim")
+            ended = v.exit_code is not None
+            return Text("no loss was seen" if ended else "waiting for the first loss…", style="dim")
         raw = v.series.loss.values
         smoothed = smooth(raw)
         best = min(range(len(raw)), key=raw.__getitem__)
-        head = Text(no_wrap=True, overflow="ellipsis")
         latest = v.latest.loss if v.latest and v.latest.loss is not None else raw[-1]
-        head.append(f"{latest:.4g}", style="bold")
-        head.append(f"  smoothed {smoothed[-1]:.4g}", style="green")
-        head.append(f"  min {raw[best]:.4g} @ {v.series.loss.steps[best]}", style="dim")
+        head = [
+            Text(f"{latest:.4g}", style="bold"),
+            Text(f"smoothed {smoothed[-1]:.4g}", style="green"),
+            Text(f"min {raw[best]:.4g} @ {v.series.loss.steps[best]}", style="dim"),
+        ]
         if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
-            head.append(f"  from {v.latest.loss_source}", style="italic")
-        rows = height - 2
-        lines: list[RenderableType] = [head]
+            head.append(Text(f"from {v.latest.loss_source}", style="italic"))
+        lines: list[RenderableType] = list(flow(head, width))
+        rows = height - len(lines) - 1
         if rows >= 2:
             # The first steps' loss is often far above the rest: the top follows the later 90% of the
             # run, so the part being trained now is not squashed flat (earlier points touch the top).
             high = max(raw[len(raw) // 10 :]) if len(raw) >= 20 else None
-            lines.extend(plot([Series(raw, "dim"), Series(smoothed, "bold green")], width, rows, high=high))
+            lines.extend(plot([Series(raw, RAW), Series(smoothed, SMOOTHED)], width, rows, high=high))
             lines.append(axis(v.series.loss.steps, width))
         return Group(*lines)
 
 
 OWN_LOOP_KEYS = (
-    ("f", "free_cache", "free cache"),
-    ("s", "snapshot", "snapshot"),
-    ("t", "top_tensors", "top tensors"),
-    ("p", "toggle_pause", "pause"),
+    ("f", "free_cache", "free cache", "free"),
+    ("s", "snapshot", "snapshot", "snap"),
+    ("t", "top_tensors", "top tensors", "tensors"),
+    ("p", "toggle_pause", "pause", "pause"),
 )
-"""The own-loop bar's keys: it has no micro-batch, AMP or checkpointing of gputui's to show (a key
-the run refuses is dimmed, and says why when pressed)."""
+"""The own-loop bar's keys (key, action, label, short label): it has no micro-batch, AMP or
+checkpointing of gputui's to show (a key the run refuses is dimmed, and says why when pressed)."""
 
 
 class RemediesBar(RunPanel):
-    """The remedies in force, each after its key (dimmed when it cannot act now)."""
+    """The remedies in force, each after its key (dimmed when it cannot act now). The entries stay
+    whole: shorter labels where they save a line, else a second line; a wide bar adds why the
+    dimmed keys cannot act (narrower ones say it when the key is pressed)."""
 
     def __init__(self, view: RunView, watch_only: str | None, *, id: str | None = None) -> None:
         super().__init__(view, id=id)
@@ -272,47 +350,53 @@ class RemediesBar(RunPanel):
     def shows(self) -> Hashable:
         v, s = self.view, self.view.latest
         batch = (s.micro_batch, s.accumulation, s.batch_size) if s else None
-        dimmed = tuple(v.why_not(k.action, self.watch_only) is not None for k in KEYS if k.control)
+        dimmed = tuple(v.why_not(k.action, self.watch_only) for k in KEYS if k.control)
         return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed
 
     def render(self) -> RenderableType:
-        v = self.view
-        s = v.latest
-        text = Text(no_wrap=True, overflow="ellipsis")
+        width = max(1, self.content_size.width)
+        long, short = flow(self.entries(long=True), width), flow(self.entries(long=False), width)
+        return Text("\n").join(short if len(short) < len(long) else long)
 
-        def key(k: str, action: str) -> None:
+    def entries(self, *, long: bool) -> list[Text]:
+        v, s = self.view, self.view.latest
+
+        def key(k: str, action: str, label: str, style: str = "bold") -> Text:
             dim = v.why_not(action, self.watch_only) is not None
-            text.append(f"[{k}]", style="dim" if dim else "bold reverse")
-            text.append(" ")
+            return Text().append(f"[{k}]", style="dim" if dim else "bold reverse").append(f" {label}", style=style)
 
-        wide = self.content_size.width >= 90
+        wide = self.content_size.width >= 140
         if v.observed:
-            text.append("own loop, observed: ", style="bold")
-            for k, action, label in OWN_LOOP_KEYS:
-                key(k, action)
-                text.append(f"{label}  ")
-            text.append("· b a c o need gputui.fit (README: Adopting fit)", style="dim")
-            return text
-        key("b/B", "halve_batch")
-        if s is not None:
-            text.append(
-                f"{'micro-batch' if wide else 'mb'} {s.micro_batch} × {s.accumulation} = {s.batch_size}", style="bold"
-            )
+            entries = [Text("own loop, observed:", style="bold")]
+            entries += [key(k, action, label if long else short, "") for k, action, label, short in OWN_LOOP_KEYS]
+            needs = "b B a c o (batch, AMP, checkpointing, auto-recover)" if wide else "b a c o"
+            entries.append(Text(f"· {needs} need gputui.fit (README: Adopting fit)", style="dim"))
+            actions = [action for _, action, _, _ in OWN_LOOP_KEYS]
         else:
-            text.append("micro-batch –")
-        gap = "   " if wide else "  "
-        text.append(gap)
-        key("a", "cycle_amp")
-        text.append(f"AMP {v.amp or '–'}", style="bold")
-        text.append(gap)
-        key("c", "toggle_checkpointing")
-        text.append(f"{'checkpointing' if wide else 'ckpt'} {'on' if v.checkpointing else 'off'}", style="bold")
-        text.append(gap)
-        key("o", "toggle_auto_recover")
-        text.append(f"{'auto-recover' if wide else 'auto'} {'on' if v.auto_recover else 'off'}", style="bold")
-        if v.pending:
-            text.append(f"{gap}→ {len(v.pending)} pending", style="yellow")
-        return text
+            mb = "micro-batch" if long else "mb"
+            entries = [
+                key("b/B", "halve_batch", f"{mb} {s.micro_batch} × {s.accumulation} = {s.batch_size}")
+                if s
+                else key("b/B", "halve_batch", f"{mb} –", ""),
+                key("a", "cycle_amp", f"AMP {v.amp or '–'}"),
+                key("c", "toggle_checkpointing", f"{'checkpointing' if long else 'ckpt'} {on_off(v.checkpointing)}"),
+                key("o", "toggle_auto_recover", f"{'auto-recover' if long else 'auto'} {on_off(v.auto_recover)}"),
+            ]
+            if v.pending:
+                entries.append(Text(f"→ {len(v.pending)} pending", style="yellow"))
+            actions = ["halve_batch", "double_batch", "cycle_amp", "toggle_checkpointing", "toggle_auto_recover"]
+        if wide:  # why the dimmed keys cannot act, each reason once (narrower: when the key is pressed)
+            reasons: dict[str, list[str]] = {}
+            for action in actions:
+                reason = v.why_not(action, self.watch_only)
+                if reason:
+                    reasons.setdefault(reason, []).append(shown(BY_ACTION[action]))
+            entries += [Text(f"· {' '.join(keys)}: {reason}", style="dim italic") for reason, keys in reasons.items()]
+        return entries
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 class Timeline(RunPanel):
@@ -394,3 +478,67 @@ def gpu_summary(d: GpuDevice) -> Text:
     text.append(f"{format_figure(d.power, '', '.0f')}/{format_figure(d.power_limit, '', '.0f')}W ")
     text.append(f"used {format_bytes_short(d.memory_used)}/{format_bytes_short(d.memory_total)}")
     return text
+
+
+class KeysFooter(Footer):
+    """Textual's footer, fitted to the width as the header is: compact when the keys do not fit
+    with room around them, then the keys go in DROP_ORDER (the remedies bar shows the first five
+    with their keys already); `?` help and `q` quit always stay."""
+
+    DROP_ORDER = (
+        "double_batch",
+        "toggle_auto_recover",
+        "toggle_checkpointing",
+        "cycle_amp",
+        "halve_batch",
+        "command_palette",
+        "snapshot",
+        "free_cache",
+        "memory",
+        "log",
+        "toggle_pause",
+        "top_tensors",
+    )
+
+    def compose(self) -> ComposeResult:
+        hidden = self._fit()
+        for widget in super().compose():
+            if isinstance(widget, FooterKey):
+                widget.display = _action(widget.action) not in hidden
+            yield widget
+
+    def on_resize(self, event: events.Resize) -> None:
+        hidden = self._fit()
+        for widget in self.query(FooterKey):
+            widget.display = _action(widget.action) not in hidden
+
+    def _fit(self) -> set[str]:
+        """Set compact if needed; the actions whose keys do not fit even then."""
+        width = self.size.width
+        if not width or not self.is_attached:
+            return set()
+        keys = {
+            _action(binding.action): (len(self.app.get_key_display(binding)), len(binding.description))
+            for _, binding, _, _ in self.screen.active_bindings.values()
+            if binding.show
+        }
+        palette = self.screen.active_bindings.get(self.app.COMMAND_PALETTE_BINDING)
+        if palette is not None and self.show_command_palette and self.app.ENABLE_COMMAND_PALETTE:
+            # docked right, after a border: two cells more than a key
+            keys["command_palette"] = (len(self.app.get_key_display(palette[1])), len(palette[1].description) + 2)
+        # A key takes " k label " (compact: "k label" and a space after it).
+        self.compact = sum(k + d + 3 for k, d in keys.values()) > width
+        needed = sum(k + d + 2 for k, d in keys.values())
+        hidden: set[str] = set()
+        for action in self.DROP_ORDER:
+            if needed <= width:
+                break
+            if action in keys:
+                hidden.add(action)
+                needed -= sum(keys[action]) + 2
+        return hidden
+
+
+def _action(action: str) -> str:
+    """A binding's action without its namespace: "app.halve_batch" -> "halve_batch"."""
+    return action.rpartition(".")[2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from gputui.telemetry.run import RunInfo
 from gputui.telemetry.sample import Event, GpuDevice, GpuProcess, GpuReading, HostReading, Memory, StepSample
@@ -213,3 +214,15 @@ def cpu_run(steps: int = 120) -> FakeSource:
             refused=CPU_REFUSES,
         ),
     )
+
+
+NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"  # engine/observe.py's
+LOOP_ACTIONS = ("halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover")
+
+
+def own_loop_run(steps: int = 120) -> FakeSource:
+    """An own loop on a CPU without a budget: the bar is the machine's memory, the loop's keys refused."""
+    samples = [cpu_sample(s) for s in range(1, steps + 1)]
+    samples = [replace(s, memory=replace(s.memory, capacity=None), loss_source="backward()") for s in samples]
+    refused = {**CPU_REFUSES, **dict.fromkeys(LOOP_ACTIONS, NEEDS_FIT)}
+    return FakeSource(samples, [], info("cpu", "CPU", mode="observe", total_steps=None, epochs=None, refused=refused))

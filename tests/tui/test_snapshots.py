@@ -5,7 +5,7 @@ the new SVGs before committing them.
 """
 
 import pytest
-from fakes import FrozenClock, cpu_run, cuda_run
+from fakes import FrozenClock, cpu_run, cuda_run, own_loop_run
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
@@ -18,13 +18,17 @@ def app(source, script="train.py"):
     return GputuiApp(source, script=script, clock=FrozenClock(), refresh=4)
 
 
-@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (160, 48)])
 def test_main_screen_cuda(snap_compare, size):
     assert snap_compare(app(cuda_run()), terminal_size=size)
 
 
 def test_main_screen_cpu_budget(snap_compare):
     assert snap_compare(app(cpu_run(), script="mlp.py"), terminal_size=(100, 30))
+
+
+def test_main_screen_own_loop(snap_compare):
+    assert snap_compare(app(own_loop_run(), script="own.py"), terminal_size=(120, 40))
 
 
 def test_oom_dialog(snap_compare):
