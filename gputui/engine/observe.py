@@ -333,12 +333,12 @@ class Observer:
         return details
 
     def finish(self, error: str | None) -> None:
-        """The end record. The KeyboardInterrupt raised for a stop ends the script as it would under
-        python, but the run stopped (as fit's does), it did not fail."""
+        """The end record. A KeyboardInterrupt (a Ctrl-C, or the one raised for a stop) ends the
+        script as it would under python, but the run stopped (as fit's does), it did not fail."""
         if not self._started or self.session is None:
             return
-        if self.stop_reason and error == "interrupted":
-            error = None
+        if error == "interrupted":  # a Ctrl-C (or gputui's stop raising one): stopped, as fit's is
+            self.stop_reason, error = self.stop_reason or "interrupted", None
         s = self.session
         s.end(
             RunSummary(

@@ -259,18 +259,19 @@ def _fields(record: Any, types: dict[str, Any], where: str) -> None:
 def checked(record: dict[str, Any]) -> dict[str, Any]:
     """`record` if the fields the clients read have their types; ProtocolError saying which does not."""
     kind = record["kind"]
-    _fields(record, _KINDS.get(kind, {}), f"a {kind} record")
+    where = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} record"
+    _fields(record, _KINDS.get(kind, {}), where)
     for name, types in (("memory", _MEMORY), ("host", _HOST)):
         if record.get(name) is not None:
-            _fields(record[name], types, f"a {kind} record's {name}")
+            _fields(record[name], types, f"{where}'s {name}")
     for name, cls in (("info", RunInfo), ("summary", RunSummary)):
         if record.get(name) is not None:
             try:
                 cls.from_json(record[name])
             except (ValueError, TypeError, AttributeError) as exc:
-                raise ProtocolError(f"a {kind} record's {name}: {exc}") from None
+                raise ProtocolError(f"{where}'s {name}: {exc}") from None
     if not all(isinstance(arg, str) for arg in record.get("argv") or ()):
-        raise ProtocolError(f"a {kind} record's argv holds a non-string")
+        raise ProtocolError(f"{where}'s argv holds a non-string")
     if kind == "event":
         try:
             describe(Event.from_json(record))  # what the timeline, the progress line and ctl print

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import groupby
 
 from rich.text import Text
@@ -31,6 +32,16 @@ def resample(values: Sequence[float], points: int, reduce: Callable[[Sequence[fl
     return [reduce(values[i * n // points : max(i * n // points + 1, (i + 1) * n // points)]) for i in range(points)]
 
 
+def axis_number(v: float, width: int = 7) -> str:
+    """`v` in at most `width` characters, as precise as fits: an axis label is never cut (a cut
+    "9.03e-01" reads as 9.03e-0, off by orders of magnitude)."""
+    for spec in (".3g", ".2g", ".1g", ".0e"):
+        text = f"{v:{spec}}"
+        if len(text) <= width:
+            return text
+    return text
+
+
 def plot(
     series: Sequence[Series],
     width: int,
@@ -38,7 +49,7 @@ def plot(
     *,
     low: float | None = None,
     high: float | None = None,
-    label: Callable[[float], str] = lambda v: f"{v:.3g}",
+    label: Callable[[float], str] | None = None,
     gutter: int = 8,
 ) -> list[Text]:
     """`height` lines of `width` cells: a y-axis gutter with the top and bottom values, then the plot.
@@ -47,6 +58,8 @@ def plot(
     dot in it). Each series is stretched over the full width.
     """
     plot_width = max(1, width - gutter)
+    if label is None:
+        label = partial(axis_number, width=gutter - 1)
     all_values = [v for s in series for v in s.values]
     if not all_values or height < 1:
         return [Text(" " * width) for _ in range(max(height, 0))]

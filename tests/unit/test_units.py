@@ -94,3 +94,12 @@ def test_format_count(n, text):
 )
 def test_format_figure(value, unit, spec, text):
     assert format_figure(value, unit, spec) == text
+
+
+@pytest.mark.parametrize("v", [0.903, 2.13e-12, 6.24e-05, -2.13e-12, 123456789.0, 1.5, 0.0, -0.5])
+def test_a_chart_axis_label_fits_its_gutter_and_keeps_its_magnitude(v):
+    from gputui.tui.chart import axis_number
+
+    text = axis_number(v)
+    assert len(text) <= 7
+    assert float(text) == pytest.approx(v, rel=0.5)  # cut to "9.03e-0" it would read 9.03
