@@ -7,6 +7,8 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 from . import __version__
 from .units import parse_size
@@ -176,6 +178,7 @@ def _run(options: argparse.Namespace) -> int:
                 # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
                 # the TUI and in fit; else a save would replay a second one into the ignore and go on.
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGTERM, partial(_terminated, hub))
                 return run_script(options.script, options.args, observe=hub, output=hub.output.write)
             from .tui.runner import run_tui
 
@@ -185,6 +188,18 @@ def _run(options: argparse.Namespace) -> int:
             # would only interrupt the cleanup, leaving a stale socket and printing our own traceback.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
+
+
+def _terminated(hub: Any, signum: int, frame: Any) -> None:
+    """Headless SIGTERM, as under the TUI: the training loop (fit's or the script's own) stops at its
+    next step boundary and the script finishes (its save runs); a second one stops at once (143).
+    fit, while it runs, has its own handler that does the same."""
+    if hub.stop_signal is None:
+        hub.stop_signal = "terminated"
+        # No lock may be taken in a handler (the interrupted code may hold it): write directly.
+        sys.stderr.write("\ngputui: terminated: finishing the current step, then stopping (again to stop at once)\n")
+        return
+    raise SystemExit(128 + signum)
 
 
 def _watch(options: argparse.Namespace) -> int:

@@ -150,3 +150,38 @@ def test_a_stop_request_ends_either_run_as_stopped_not_failed(tmp_path, monkeypa
     assert summary is not None and summary.steps == 2
     assert summary.stopped and summary.stopped.startswith("requested") and summary.error is None
     assert summary.outcome == "stopped"
+
+
+def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path):
+    """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
+    at once, with no end record and its socket left behind)."""
+    import signal
+    import time
+
+    script = tmp_path / "long.py"
+    script.write_text(
+        textwrap.dedent(PRELUDE)
+        + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
+        "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
+    )
+    env = {**os.environ, "GPUTUI_NO_SOCKET": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputui", "run", "--headless", "--metrics", "m.jsonl", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while '"kind":"step"' not in ((tmp_path / "m.jsonl").read_text() if (tmp_path / "m.jsonl").exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "no step in 60 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "terminated: finishing the current step" in err
+    end = records(tmp_path / "m.jsonl")[-1]
+    assert end["kind"] == "end" and end["stopped"] == "terminated" and end["error"] is None
