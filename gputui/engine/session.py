@@ -23,7 +23,7 @@ from ..probes.cpu import StateTracker
 from ..probes.device import Probe, for_device
 from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors
-from ..telemetry.controls import Control
+from ..telemetry.controls import SUMMARY_NEEDS_CUDA, Control
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
@@ -108,7 +108,7 @@ class RunSession:
         reason = snapshot.unavailable(device)
         if reason:
             self.refused["snapshot"] = reason
-            self.refused["memory_summary"] = "memory_summary() is a CUDA allocator report"
+            self.refused["memory_summary"] = SUMMARY_NEEDS_CUDA
         self.steps = self.samples = 0
         self.paused = False
         self.events: list[Event] | None = [] if keep_events else None  # fit returns them; an own loop needs none

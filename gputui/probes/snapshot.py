@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..telemetry.controls import SNAPSHOT_NEEDS_CUDA
+
 _recording = False
 
 MAX_ENTRIES = 100_000
@@ -16,12 +18,7 @@ MAX_ENTRIES = 100_000
 
 
 def unavailable(device: torch.device) -> str | None:
-    if device.type == "cuda":
-        return None
-    return (
-        "memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
-        "which shows what holds memory"
-    )
+    return None if device.type == "cuda" else SNAPSHOT_NEEDS_CUDA
 
 
 def recording() -> bool:

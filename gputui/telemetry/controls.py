@@ -39,6 +39,14 @@ REMEDIES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointi
 BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
 """Why a model with BatchNorm is never halved below 2: the engine refuses with it, the TUI dims with it."""
 
+SNAPSHOT_NEEDS_CUDA = (
+    "memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
+    "which shows what holds memory"
+)
+SUMMARY_NEEDS_CUDA = "memory_summary() is a CUDA allocator report"
+"""Why a run off CUDA refuses `snapshot` and `memory_summary`: the engine refuses with them (and
+lists them in RunInfo.refused); here, without torch, so test fakes of a CPU run say the same."""
+
 _ids = itertools.count(1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from gputui.telemetry.controls import SNAPSHOT_NEEDS_CUDA, SUMMARY_NEEDS_CUDA
 from gputui.telemetry.run import RunInfo
 from gputui.telemetry.sample import Event, GpuDevice, GpuProcess, GpuReading, HostReading, Memory, StepSample
 from gputui.tui.sources import Update
@@ -178,11 +179,7 @@ def cuda_run(steps: int = 300) -> FakeSource:
     )
 
 
-CPU_REFUSES = {  # what the engine's session refuses on a CPU
-    "snapshot": "memory snapshots are a CUDA allocator feature; on this device use the top-tensors view, "
-    "which shows what holds memory",
-    "memory_summary": "memory_summary() is a CUDA allocator report",
-}
+CPU_REFUSES = {"snapshot": SNAPSHOT_NEEDS_CUDA, "memory_summary": SUMMARY_NEEDS_CUDA}  # the session's, on a CPU
 
 
 def cpu_run(steps: int = 120) -> FakeSource:
