@@ -15,8 +15,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
 from .session import RunSession
+
+if TYPE_CHECKING:
+    from .distributed import Agreed, Distributed
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
@@ -64,6 +68,13 @@ def _length(data: Any) -> int | None:
         return None
 
 
+def _shared(mode: str, model: nn.Module) -> bool:
+    """Train as one rank of several: under torchrun (WORLD_SIZE > 1), or given a model in DDP."""
+    if mode == "off":
+        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
 def _positive(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -88,10 +99,13 @@ class FitOptions:
     metrics: str | os.PathLike[str] | None = None
     memory_history: bool = False
     snapshot_dir: str | os.PathLike[str] | None = None
+    distributed: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "micro_batch"):
             _positive(name, getattr(self, name))
+        if self.distributed not in ("auto", "off"):
+            raise ValueError(f'distributed must be "auto" or "off", got {self.distributed!r}')
 
 
 def fit(
@@ -114,12 +128,14 @@ def fit(
     metrics: str | os.PathLike[str] | None = None,
     memory_history: bool = False,
     snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
+    distributed: str = "auto",
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
     `epochs=None` means one epoch, or as many as `max_steps` needs when that is given; with
     both, training stops at whichever comes first. Options given on the gputui command line
-    win over the same arguments here.
+    win over the same arguments here. `distributed="auto"`: under torchrun, every rank trains its
+    share of each global batch through DistributedDataParallel (see engine/distributed.py).
     """
     options = FitOptions(
         epochs=epochs,
@@ -136,6 +152,7 @@ def fit(
         metrics=metrics,
         memory_history=memory_history,
         snapshot_dir=snapshot_dir,
+        distributed=distributed,
     )
     return _Trainer(model, data, step, optimizer, options).run()
 
@@ -163,7 +180,13 @@ class _Trainer:
         self.model, self.data, self.step, self.optimizer, self.scheduler = model, data, step, optimizer, o.scheduler
         self.epochs = o.epochs if o.epochs is not None else (1 if o.max_steps is None else None)
         self.max_steps = o.max_steps
-        self.device = resolve_device(o.device)
+        shared = _shared(o.distributed, model)
+        if shared:
+            from . import distributed
+
+            self.device = resolve_device(distributed.device_for(o.device))
+        else:
+            self.device = resolve_device(o.device)
         self.precision = Precision(self.device, o.amp)
         self.generators = Generators(self.device)
         self.checkpointing = Checkpointing(model, o.checkpoint_modules)
@@ -171,6 +194,10 @@ class _Trainer:
         if o.checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(self.device)
+        self.dist: Distributed | None = None
+        if shared:
+            self.dist = distributed.Distributed(model, self.device, data)
+            model = self.model = self.dist.model
         model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
         self.buffers = Buffers(model)
         # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
@@ -247,11 +274,19 @@ class _Trainer:
             if self.tracker:
                 self.tracker.reset()
                 if self.budget is not None and self.tracker.total > self.budget:
-                    raise FitError(
+                    message = (
                         f"the memory budget ({format_bytes(self.budget)}) is smaller than the model's "
                         f"parameters and optimizer state ({format_bytes(self.tracker.total)}): no batch can fit"
                     )
-            self._loop()
+                    if self.dist is None:
+                        raise FitError(message)
+                    from .distributed import Failure
+
+                    self.dist.failure = Failure(message, oom=True)  # said at the first exchange
+            if self.dist is not None:
+                self._loop_shared(self.dist)
+            else:
+                self._loop()
             if self.stop_reason:
                 self.session.emit("stopped", reason=self.stop_reason)
             return self.result()
@@ -296,9 +331,43 @@ class _Trainer:
             self.epochs_done += 1
             epoch += 1
 
+    def _loop_shared(self, d: Distributed) -> None:
+        """_loop() as one rank of several: each rank looks one batch ahead, so the exchange of a step
+        can say whether every rank has another; when one has not, every rank ends the epoch there."""
+        end = object()
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            self.epoch = epoch
+            d.set_epoch(epoch)
+            batches = iter(self.data)
+            batch = next(batches, end)
+            trained = 0
+            while True:
+                here = batch is not end
+                if here:
+                    self.batch_size = batch_size(batch)
+                if not self._boundary():
+                    return
+                last = self.max_steps is not None and self.steps + 1 >= self.max_steps
+                ahead = end if last or not here else next(batches, end)
+                more = self._train_shard(batch if here else None, ahead is not end)
+                trained += 1
+                self._publish()
+                if self.max_steps is not None and self.steps >= self.max_steps:
+                    if trained == _length(self.data):
+                        self.epochs_done += 1
+                    return
+                if not more:
+                    break
+                batch = ahead
+            self.epochs_done += 1
+            epoch += 1
+
     # -- the step boundary ------------------------------------------------------------------
     def _boundary(self) -> bool:
         """Apply every queued control; while paused, wait here. False: stop before the next step."""
+        if self.dist is not None:
+            return self._boundary_shared(self.dist)
         self._apply_queued()
         self.session.wait_while_paused(self._apply_queued, self._stopping)
         return not self._stopping()
@@ -308,8 +377,11 @@ class _Trainer:
 
         Requests to free the cache are merged: one gc + empty_cache per boundary is all it takes,
         and each costs a full garbage collection."""
+        return self._apply_all(self.hub.controls.drain())
+
+    def _apply_all(self, controls: list[Control]) -> list[Control]:
         applied, freed = [], False
-        for control in self.hub.controls.drain():
+        for control in controls:
             if control.action == "free_cache":
                 if freed:
                     self.session.refuse(control, "the cache was freed at this boundary already")
@@ -318,6 +390,22 @@ class _Trainer:
             if self._apply(control):
                 applied.append(control)
         return applied
+
+    def _boundary_shared(self, d: Distributed) -> bool:
+        """One rank's boundary: apply what the last exchange announced (every rank the same, so every
+        rank the same state), then keep what was requested here for the next exchange. A stop, a
+        signal or a control on one rank reaches the others there, one step later."""
+        self._apply_all(d.take_agreed())
+        if self.stop_reason is not None:  # agreed at the last exchange
+            return False
+        outgoing = []
+        for control in self.hub.controls.drain():
+            if control.action in self.session.refused:
+                self.session.apply(control)  # refused with its reason, here and now
+            else:
+                outgoing.append(control)
+        d.queue(outgoing)
+        return True
 
     def _stopping(self) -> bool:
         signalled = self._signal or self.hub.stop_signal  # the hub's: set where fit is not the main thread
@@ -469,6 +557,165 @@ class _Trainer:
         self.session.samples += total
         return None
 
+    # -- one global batch as one rank of several ----------------------------------------------
+    def _train_shard(self, batch: Any, has_next: bool) -> bool:
+        """Train this rank's share of a global batch (None: its data ran out). True: every rank has
+        another batch this epoch. In this version an OOM ends the run on every rank (FitError)."""
+        d = self.dist
+        assert d is not None
+        self.generators.start()
+        self.buffers.save()
+        try:
+            last = None
+            if d.failure is None and batch is not None:
+                last = self._forward_shard(d, batch)
+            signalled = self._signal or self.hub.stop_signal
+            agreed = d.exchange(
+                samples=self.batch_size if batch is not None else None, has_next=has_next, stop=signalled
+            )
+            if agreed.stop is not None and self.stop_reason is None:
+                self.stop_reason = signalled or agreed.stop
+            if agreed.fatal or not agreed.all_have_batch:
+                self._drop_step()
+                raise self._fit_error(d, agreed)
+            assert last is not None
+            self._synced_shard(d, agreed, *last)
+            return agreed.all_have_next
+        finally:
+            self.generators.end()
+
+    def _forward_shard(self, d: Distributed, batch: Any) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
+        """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
+        collective. Returns the last loss, its samples, the micro-batch count and the loss so far;
+        None when this rank failed (d.failure says how)."""
+        from .distributed import Failure
+
+        total = self.batch_size
+        size = self._micro_batch()
+        if self.tracker is not None:
+            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+        self.probe.start_step()
+        pieces = split(batch, size, total, self.min_micro_batch)
+        count = len(pieces)
+        if count > 1 and not self._said_batch_norm:
+            self._say_batch_norm(size)
+        scaler, tracker = self.precision.scaler, self.tracker
+        phase = "forward"
+        loss_sum = None
+        try:
+            for i, piece in enumerate(pieces):
+                n = size if i < count - 1 else total - size * (count - 1)
+                piece = to_device(piece, self.device)
+                phase = "forward"
+                with nullcontext() if i == count - 1 else d.model.no_sync():
+                    with self.precision.autocast():
+                        if tracker is not None:
+                            with tracker.saving():
+                                loss = self.step(self.model, piece)
+                        else:
+                            loss = self.step(self.model, piece)
+                    self._check_loss(loss)
+                    if i == count - 1:
+                        return loss, n, count, loss_sum
+                    phase = "backward"
+                    weighted = loss * (n / total)
+                    (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                if tracker is not None:
+                    tracker.end_micro_batch()
+                detached = weighted.detach().float()
+                loss_sum = detached if loss_sum is None else loss_sum + detached
+        except Exception as exc:
+            oom = is_oom(exc)
+            message = drop(exc) if oom else str(exc)
+            if oom:
+                self.session.emit("oom", phase=phase, message=message, micro_batch=size, recovered=False)
+                message = (
+                    f"out of memory in {phase} at micro-batch {size} on rank {d.rank}, step {self.steps + 1}: "
+                    f"under torchrun this version does not recover from an OOM, so every rank stops [{message}]"
+                )
+            elif not isinstance(exc, FitError):
+                message = f"{type(exc).__name__} on rank {d.rank}, step {self.steps + 1}: {message}"
+            d.failure = Failure(message, oom=oom, error=None if oom else exc)
+        return None
+
+    def _synced_shard(
+        self, d: Distributed, agreed: Agreed, loss: torch.Tensor, n: int, count: int, loss_sum: torch.Tensor | None
+    ) -> None:
+        """The last backward (DDP all-reduces its buckets), then the step. DDP averages the ranks'
+        gradients; scaled by world_size * (this rank's samples) / (all ranks' samples), the average
+        is the gradient of the mean loss over the global batch, uneven shards included."""
+        total, world = self.batch_size, d.world_size
+        scale = world * total / agreed.samples
+        if count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
+            for group in self.optimizer.param_groups:
+                grads = [p.grad for p in group["params"] if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, scale)
+        weighted = loss * (world * n / agreed.samples)
+        scaler, tracker = self.precision.scaler, self.tracker
+        try:
+            (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        except Exception as exc:
+            # Not agreed: buckets the other ranks wait for may be incomplete (see the README: an OOM in
+            # the synced backward is not rescued in this version).
+            raise FitError(
+                f"{'out of memory' if is_oom(exc) else type(exc).__name__} in the synced backward on rank "
+                f"{d.rank}, step {self.steps + 1}: the other ranks may be left waiting [{drop(exc)}]"
+            ) from None
+        if tracker is not None:
+            tracker.end_micro_batch()
+        local = weighted.detach().float() / scale
+        loss_sum = local if loss_sum is None else loss_sum + local
+        del loss, weighted
+        d.broadcast(self.buffers.live)
+        try:
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            if tracker is not None:
+                tracker.refresh_optimizer()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            from .distributed import Failure
+
+            message = (
+                f"out of memory inside optimizer.step() on rank {d.rank} at step {self.steps + 1}: "
+                f"not safe to retry, so every rank stops [{drop(exc)}]"
+            )
+            self.session.emit("oom", phase="optimizer", message=message, recovered=False)
+            d.failure = Failure(message, oom=True)
+            d.exchange(samples=None, has_next=False, stop=None)  # the others' next exchange: they stop too
+            raise FitError(message) from None
+        self.optimizer.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.reset()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss = loss_sum.item()
+        self.accumulation = count
+        self.session.steps += 1
+        self.session.samples += total
+
+    def _fit_error(self, d: Distributed, agreed: Agreed) -> FitError:
+        """The error every rank raises together after a step some rank could not train."""
+        if d.failure is not None:
+            error = FitError(d.failure.message)
+            error.__cause__ = d.failure.error
+            return error
+        if agreed.fatal:
+            ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"
+            why = "out of memory" if agreed.fatal_oom == agreed.fatal else "an error"
+            return FitError(
+                f"rank {ranks} stopped at step {self.steps + 1} ({why}): every rank stops; that rank's output says why"
+            )
+        return FitError(
+            f"a rank's data yielded no batch in epoch {self.epoch + 1} while others had some: each rank needs "
+            "at least one (a DistributedSampler gives every rank the same number)"
+        )
+
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor):
             raise FitError(f"step() must return the loss as a scalar tensor, got {type(loss).__name__}")
@@ -608,10 +855,15 @@ class _Trainer:
         if self.max_steps is not None:
             total = self.max_steps if total is None else min(total, self.max_steps)
         unavailable = self.checkpointing.unavailable()
+        refused = {"set_checkpointing": unavailable} if unavailable else {}
+        if self.dist is not None:
+            from .distributed import NOT_YET
+
+            refused.update(pause=NOT_YET, resume=NOT_YET)
         self.session.start(
             mode="fit",
-            model=type(self.model).__name__,
-            refused={"set_checkpointing": unavailable} if unavailable else {},
+            model=type(self.dist.inner if self.dist is not None else self.model).__name__,
+            refused=refused,
             epochs=self._planned_epochs(steps_per_epoch),
             max_steps=self.max_steps,
             steps_per_epoch=steps_per_epoch,
@@ -632,6 +884,8 @@ class _Trainer:
 
     def result(self) -> FitResult:
         return FitResult(
+            rank=self.dist.rank if self.dist is not None else 0,
+            world_size=self.dist.world_size if self.dist is not None else 1,
             steps=self.steps,
             epochs=self.epochs_done,
             samples=self.samples,

@@ -27,6 +27,10 @@ class FitResult:
     checkpointing: bool = False
     ooms_recovered: int = 0
     elapsed_s: float = 0.0
+    rank: int = 0
+    """This process's rank under torchrun (0 alone)."""
+    world_size: int = 1
+    """Processes training together (1 alone)."""
 
     def summary(self, error: str | None = None) -> RunSummary:
         """The record the run ends with (the metrics file's end line, the socket's, the screen's)."""

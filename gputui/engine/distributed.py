@@ -1,0 +1,204 @@
+"""fit() under torchrun: the process group, the DDP wrapper and the one exchange per step.
+
+Loaded only when fit runs with WORLD_SIZE > 1 (or is given a model already wrapped in DDP): a
+single process never builds any of this, and its step pays one `is None` test.
+
+The rule that keeps a job from hanging: every rank issues the same collectives in the same order.
+A step on each rank is: its micro-batches under `no_sync()` but the last, the last one's forward,
+then the exchange (one all_reduce of a small int64 vector: the first collective of the step),
+then, only if every rank is fine, the synced backward, the running statistics' broadcast and
+`optimizer.step()`. Whatever fails on one rank before the exchange (an OOM, any error, data that
+ran out) is said there, and every rank acts on it together.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..telemetry.controls import ACTIONS, Control
+
+# The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
+HAS_BATCH, SAMPLES, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
+_STOPS = ((TERMINATED, "terminated"), (INTERRUPTED, "interrupted"), (REQUESTED, "requested"))
+_NOT_EXCHANGED = frozenset({"stop", "pause", "resume"})
+CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
+    (action, value)
+    for action, values in ACTIONS.items()
+    if action not in _NOT_EXCHANGED
+    for value in (values if values is not None else (None,))
+)
+"""The controls every rank applies together, in this order (the same on every rank, so the same
+state on every rank after them)."""
+_FIRST_CONTROL = REQUESTED + 1
+_MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
+
+NOT_YET = "not under torchrun yet: every rank would have to pause together and keep the process group alive"
+"""Why pause and resume are refused under torchrun in this version."""
+
+_warned_sampler = False
+
+# torch 2.13 renamed broadcast_buffers=False (which also skipped the buffers' sync at init) to
+# forward_sync_buffers=False (which keeps it); older versions know only the first.
+_NO_FORWARD_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def device_for(device: str | torch.device | None) -> str | torch.device | None:
+    """Each rank on its own GPU: cuda:LOCAL_RANK when the device is unnamed or just "cuda"."""
+    if torch.cuda.is_available() and (device is None or str(device) == "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+@dataclass
+class Failure:
+    """What ended this rank's step: said at the exchange, then raised on every rank."""
+
+    message: str
+    oom: bool
+    error: BaseException | None = None
+
+
+@dataclass
+class Agreed:
+    """What the exchange told every rank (the same on each)."""
+
+    samples: int
+    """Samples in this step over all ranks: the global batch."""
+    all_have_batch: bool
+    all_have_next: bool
+    fatal: int
+    fatal_oom: int
+    fatal_ranks: list[int]
+    stop: str | None
+    controls: list[Control] = field(default_factory=list)
+
+
+class Distributed:
+    """This rank's place in the job, and the step's one exchange."""
+
+    def __init__(self, model: nn.Module, device: torch.device, data: Any) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            atexit.register(_destroy)  # the script made no group: ours goes when the process does
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
+        if isinstance(model, DistributedDataParallel):
+            self.model: DistributedDataParallel = model
+            self.ours = False
+        else:
+            # No buffer sync in forward: DDP would broadcast rank 0's buffers in every forward (a
+            # collective a replay could not match); the running statistics are broadcast once a step.
+            device_ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(model, device_ids=device_ids, **_NO_FORWARD_SYNC)
+            self.ours = True
+        self.inner: nn.Module = self.model.module
+        self.sampler = _distributed_sampler(data)
+        self._first_epoch = getattr(self.sampler, "epoch", 0)
+        if self.sampler is None and isinstance(data, DataLoader):
+            _warn_sampler(self.rank)
+        self.failure: Failure | None = None
+        self._outgoing: list[Control] = []
+        self._agreed: list[Control] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        """A DistributedSampler shuffles by its epoch: fit runs the epochs, so fit sets it."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(self._first_epoch + epoch)
+
+    def queue(self, controls: list[Control]) -> None:
+        """Controls this rank drained at its boundary: the next exchange tells every rank."""
+        self._outgoing.extend(controls)
+
+    def take_agreed(self) -> list[Control]:
+        """The controls the last exchange announced, for every rank to apply at this boundary."""
+        agreed, self._agreed = self._agreed, []
+        return agreed
+
+    def exchange(self, *, samples: int | None, has_next: bool, stop: str | None) -> Agreed:
+        """The step's one collective before the synced backward; `samples` None: no batch here."""
+        vector = [0] * (_FIRST_CONTROL + len(CONTROL_SLOTS))
+        vector[HAS_BATCH] = int(samples is not None)
+        vector[SAMPLES] = samples or 0
+        vector[HAS_NEXT] = int(has_next)
+        if self.failure is not None:
+            vector[FATAL] = 1
+            vector[FATAL_OOM] = int(self.failure.oom)
+            vector[FATAL_RANKS] = 1 << self.rank if self.rank < _MASKED_RANKS else 0
+        for slot, reason in _STOPS:
+            vector[slot] = int(stop == reason)
+        mine: dict[tuple[str, Any], list[Control]] = {}
+        for control in self._outgoing:
+            if control.action == "stop":
+                vector[REQUESTED] = 1
+            else:
+                mine.setdefault((control.action, control.value), []).append(control)
+        self._outgoing = []
+        for i, key in enumerate(CONTROL_SLOTS):
+            vector[_FIRST_CONTROL + i] = len(mine.get(key, ()))
+        tensor = torch.tensor(vector, dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor)
+        total = tensor.tolist()
+        for i, (action, value) in enumerate(CONTROL_SLOTS):
+            local = mine.get((action, value), [])
+            others = total[_FIRST_CONTROL + i] - len(local)
+            self._agreed.extend(local + [Control(action, value, source="another rank") for _ in range(others)])
+        return Agreed(
+            samples=total[SAMPLES],
+            all_have_batch=total[HAS_BATCH] == self.world_size,
+            all_have_next=total[HAS_NEXT] == self.world_size,
+            fatal=total[FATAL],
+            fatal_oom=total[FATAL_OOM],
+            fatal_ranks=[r for r in range(min(self.world_size, _MASKED_RANKS)) if total[FATAL_RANKS] >> r & 1],
+            stop=next((reason for slot, reason in _STOPS if total[slot]), None),
+        )
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's running statistics to every rank (what DDP's broadcast_buffers does each forward)."""
+        if self.ours:
+            for tensor in tensors:
+                dist.broadcast(tensor, 0)
+
+
+def _distributed_sampler(data: Any) -> DistributedSampler[Any] | None:
+    if not isinstance(data, DataLoader):
+        return None
+    for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def _warn_sampler(rank: int) -> None:
+    """Once a process, on rank 0: every rank would train on the same batches."""
+    global _warned_sampler
+    if _warned_sampler or rank != 0:
+        return
+    _warned_sampler = True
+    warnings.warn(
+        "gputui.fit under torchrun: data is a DataLoader without a DistributedSampler, so every rank "
+        "trains on the same batches; pass DataLoader(..., sampler=DistributedSampler(dataset))",
+        stacklevel=4,
+    )
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
