@@ -1,0 +1,223 @@
+"""fit under torchrun on CPU: two gloo ranks, one thread each. Every launch is bounded (subprocess
+timeout), and the launches that fail a rank set the process group's own timeout to 30 s, so a
+hang fails the test instead of blocking the suite. Scenarios are batched per launch: a launch
+costs seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT = 120
+
+# Shared by the ranks and the single-process reference: 22 samples in global batches of 8 (4 a rank),
+# the last global batch of 6 split 4 / 2: an uneven last batch.
+COMMON = """
+import torch
+from torch import nn
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(22, 4, generator=g), torch.randn(22, 1, generator=g)
+    return [(x[s : s + 8], y[s : s + 8]) for s in range(0, 22, 8)]
+
+
+def shard(batch, rank):
+    x, y = batch
+    return (x[:4], y[:4]) if rank == 0 else (x[4:], y[4:])
+
+
+def step(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+"""
+
+SCRIPT = """
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from common import make_model, global_batches, shard, step
+import gputui
+from gputui.telemetry import hub as hubs
+from helpers import RequestAt
+
+out = sys.argv[1]
+rank = int(os.environ["RANK"])
+if sys.argv[2] == "own-group":
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+
+
+def run(name, batches, make_hub=None, **kwargs):
+    hub = hubs.Hub()
+    hubs.install(hub)
+    if make_hub:
+        make_hub(hub)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = {}
+    try:
+        result = gputui.fit(model, batches, step, optimizer, **kwargs)
+    except gputui.FitError as exc:
+        record["error"] = str(exc)
+        result = exc.result
+    record.update(
+        steps=result.steps, epochs=result.epochs, stopped=result.stopped, rank=result.rank,
+        world_size=result.world_size,
+        events=[[e.name, e.step, e.details.get("to")] for e in hub.events()],
+    )
+    torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
+    with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+mine = [shard(b, rank) for b in global_batches()]
+for name in sys.argv[3:]:
+    if name.startswith("equal"):  # equal-None, equal-2
+        size = name.split("-")[1]
+        run(name, mine, micro_batch=None if size == "None" else int(size), epochs=2)
+    elif name == "uneven-lengths":  # rank 0 has 3 batches an epoch, rank 1 two: both train 2 an epoch
+        run(name, mine if rank == 0 else mine[:2], epochs=2)
+    elif name == "controls":  # asked of rank 0 alone
+        def requests(hub):
+            if rank == 0:
+                hub.add_sink(RequestAt(hub, 1, "halve_batch"))
+                hub.add_sink(RequestAt(hub, 3, "stop"))
+        run(name, mine * 3, make_hub=requests)
+    elif name.startswith("oom-"):  # a memory budget on rank 1 alone: out of memory there
+        size = name.split("-")[1]
+        run(name, mine, micro_batch=None if size == "None" else int(size),
+            memory_budget=os.environ["BUDGET"] if rank == 1 else None)
+    elif name == "step-error":  # step() raises on rank 1 alone, in the third step (see the test)
+        calls = []
+        def failing(model, batch, plain=step):
+            calls.append(1)
+            if rank == 1 and len(calls) == 3:
+                raise ValueError("bad batch")
+            return plain(model, batch)
+        plain, step = step, failing
+        run(name, mine)
+        step = plain
+"""
+
+
+def launch(tmp_path: Path, group: str, *scenarios: str, env: dict[str, str] | None = None) -> Path:
+    (tmp_path / "common.py").write_text(COMMON)
+    (tmp_path / "script.py").write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    environ = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "tests")]),
+        **(env or {}),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, str(tmp_path / "script.py"), str(out), group, *scenarios],
+        env=environ,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def records(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def weights(out: Path, name: str) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"{name}.{rank}.pt") for rank in (0, 1)]
+
+
+def reference(epochs: int) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch each step, a plain loop."""
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    model = namespace["make_model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for batch in namespace["global_batches"]():
+            namespace["step"](model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+
+
+def test_ddp_equals_one_process_and_controls_agree(tmp_path):
+    """fit initialises the group itself here. Weights equal the single-process reference (uneven
+    last batch, micro-batch None and 2); uneven data lengths end each epoch on every rank at the
+    shortest; a halve and a stop sent to rank 0 alone are applied by both at the same step."""
+    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls")
+    expected = reference(epochs=2)
+    for name in ("equal-None", "equal-2"):
+        for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
+            assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)
+            assert_close(state, expected)
+
+    for record in records(out, "uneven-lengths"):
+        assert (record["steps"], record["epochs"], record.get("error")) == (4, 2, None)
+    a, b = weights(out, "uneven-lengths")
+    assert_close(a, b)
+
+    # Asked on rank 0 after step 1 (halve) and step 3 (stop): said at the next step's exchange, applied
+    # by both at the boundary after it. Rank 1's third batch has 2 samples: its micro-batch halves from 2.
+    both = records(out, "controls")
+    assert [e for e in both[0]["events"] if e[0] == "micro_batch_changed"] == [["micro_batch_changed", 2, 2]]
+    assert [e for e in both[1]["events"] if e[0] == "micro_batch_changed"] == [["micro_batch_changed", 2, 1]]
+    for record in both:
+        assert (record["stopped"], record["steps"]) == ("requested", 4)
+    a, b = weights(out, "controls")
+    assert_close(a, b)
+
+
+def test_a_failing_rank_ends_every_rank(tmp_path):
+    """An OOM in a forward (micro-batch None), in a no_sync backward (micro-batch 1), or an error in
+    step() on rank 1 alone: both ranks raise FitError at the same step, and nothing hangs."""
+    out = launch(tmp_path, "own-group", "oom-None", "oom-1", "step-error", env={"BUDGET": "1KiB"})
+    for name in ("oom-None", "oom-1", "step-error"):
+        both = records(out, name)
+        assert all("error" in r for r in both), (name, both)
+        assert both[0]["steps"] == both[1]["steps"]
+        assert "rank 1" in both[0]["error"]
+        assert both[0]["error"].startswith("rank 1 stopped at step")
+    assert "out of memory in forward at micro-batch 4 on rank 1" in records(out, "oom-None")[1]["error"]
+    assert "out of memory in backward at micro-batch 1 on rank 1" in records(out, "oom-1")[1]["error"]
+    # Not in step 2: DDP's first forward after the first synced backward rebuilds its buckets (a
+    # broadcast), so an error raised before step() calls the model there leaves the other rank in it.
+    assert "ValueError on rank 1, step 3: bad batch" in records(out, "step-error")[1]["error"]
+    assert records(out, "step-error")[0]["steps"] == 2
+
+
+def test_single_process_is_unchanged():
+    """distributed="auto" without torchrun: no wrapper, rank 0 of 1."""
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    import gputui
+
+    model = namespace["make_model"]()
+    result = gputui.fit(model, namespace["global_batches"](), namespace["step"], torch.optim.SGD(model.parameters()))
+    assert (result.rank, result.world_size, result.steps) == (0, 1, 3)
+    assert type(model) is nn.Sequential
