@@ -115,6 +115,14 @@ class Distributed:
         if self.sampler is None and isinstance(data, DataLoader):
             _warn_sampler(self.rank)
         self.failure: Failure | None = None
+        # Which parameters' gradients DDP has taken in the synced backward: a post hook on each one's
+        # AccumulateGrad node, registered after DDP's (hooks run in order), so an OOM there can be rescued.
+        self._params = [p for p in self.inner.parameters() if p.requires_grad]
+        self.arrived: set[int] = set()
+        self._hooks = [
+            torch.autograd.graph.get_gradient_edge(p).node.register_hook(_arrival(self.arrived, i))
+            for i, p in enumerate(self._params)
+        ]
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
 
@@ -170,11 +178,62 @@ class Distributed:
             stop=next((reason for slot, reason in _STOPS if total[slot]), None),
         )
 
+    def complete_buckets(self, loss: torch.Tensor) -> None:
+        """After a synced backward failed here: a backward of zeros into every parameter whose gradient
+        DDP had not taken yet, so each bucket the other ranks wait for is all-reduced and DDP finishes
+        its reduction (the next forward's check passes). With find_unused_parameters, only the ones
+        `loss` reaches: DDP marks the unused ones itself."""
+        expected = _reachable(loss) if self.model.find_unused_parameters else None
+        missing = [
+            p for i, p in enumerate(self._params) if i not in self.arrived and (expected is None or id(p) in expected)
+        ]
+        if missing:
+            torch.autograd.backward(missing, grad_tensors=[torch.zeros_like(p) for p in missing])
+
+    def agree_valid(self, failed: bool, fatal: bool) -> tuple[int, int, list[int]]:
+        """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
+        of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
+        bits = 1 << self.rank if failed and self.rank < _MASKED_RANKS else 0
+        tensor = torch.tensor([int(failed), int(fatal), bits], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor)
+        failures, fatals, ranks = tensor.tolist()
+        return failures, fatals, [r for r in range(min(self.world_size, _MASKED_RANKS)) if ranks >> r & 1]
+
+    def close(self) -> None:
+        """Remove the arrival hooks: the model (and DDP's reducer) outlive fit."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's running statistics to every rank (what DDP's broadcast_buffers does each forward)."""
         if self.ours:
             for tensor in tensors:
                 dist.broadcast(tensor, 0)
+
+
+def _arrival(arrived: set[int], index: int) -> Any:
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        arrived.add(index)
+
+    return hook
+
+
+def _reachable(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaves `loss`'s graph accumulates into (its edges outlive a failed backward)."""
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _distributed_sampler(data: Any) -> DistributedSampler[Any] | None:

@@ -303,6 +303,8 @@ class _Trainer:
             restore_signals()
             self.generators.close()
             self.checkpointing.remove()
+            if self.dist is not None:
+                self.dist.close()
             self.session.close_tracker()
             self.session.end(self.result().summary(error))
 
@@ -560,27 +562,35 @@ class _Trainer:
     # -- one global batch as one rank of several ----------------------------------------------
     def _train_shard(self, batch: Any, has_next: bool) -> bool:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
-        another batch this epoch. In this version an OOM ends the run on every rank (FitError)."""
+        another batch this epoch. An OOM in the synced backward is replayed by every rank (the failing
+        one at half its micro-batch); any other OOM or error ends the run on every rank (FitError)."""
         d = self.dist
         assert d is not None
         self.generators.start()
         self.buffers.save()
+        attempt = 0
         try:
-            last = None
-            if d.failure is None and batch is not None:
-                last = self._forward_shard(d, batch)
-            signalled = self._signal or self.hub.stop_signal
-            agreed = d.exchange(
-                samples=self.batch_size if batch is not None else None, has_next=has_next, stop=signalled
-            )
-            if agreed.stop is not None and self.stop_reason is None:
-                self.stop_reason = signalled or agreed.stop
-            if agreed.fatal or not agreed.all_have_batch:
-                self._drop_step()
-                raise self._fit_error(d, agreed)
-            assert last is not None
-            self._synced_shard(d, agreed, *last)
-            return agreed.all_have_next
+            while True:
+                attempt += 1
+                last = None
+                if d.failure is None and batch is not None:
+                    last = self._forward_shard(d, batch)
+                signalled = self._signal or self.hub.stop_signal
+                agreed = d.exchange(
+                    samples=self.batch_size if batch is not None else None, has_next=has_next, stop=signalled
+                )
+                if agreed.stop is not None and self.stop_reason is None:
+                    self.stop_reason = signalled or agreed.stop
+                if agreed.fatal or not agreed.all_have_batch:
+                    self._drop_step()
+                    raise self._fit_error(d, agreed)
+                assert last is not None
+                done, oom = self._synced_shard(d, agreed, *last, attempt)
+                if done:
+                    return agreed.all_have_next
+                self._drop_step()  # every rank: the step's gradients, draws and running statistics
+                if oom is not None:
+                    self._recover(oom, attempt)  # halves: _synced_shard checked that it can
         finally:
             self.generators.end()
 
@@ -639,8 +649,15 @@ class _Trainer:
         return None
 
     def _synced_shard(
-        self, d: Distributed, agreed: Agreed, loss: torch.Tensor, n: int, count: int, loss_sum: torch.Tensor | None
-    ) -> None:
+        self,
+        d: Distributed,
+        agreed: Agreed,
+        loss: torch.Tensor,
+        n: int,
+        count: int,
+        loss_sum: torch.Tensor | None,
+        attempt: int,
+    ) -> tuple[bool, OomInfo | None]:
         """The last backward (DDP all-reduces its buckets), then the step. DDP averages the ranks'
         gradients; scaled by world_size * (this rank's samples) / (all ranks' samples), the average
         is the gradient of the mean loss over the global batch, uneven shards included."""
@@ -653,20 +670,43 @@ class _Trainer:
                     torch._foreach_mul_(grads, scale)
         weighted = loss * (world * n / agreed.samples)
         scaler, tracker = self.precision.scaler, self.tracker
+        d.arrived.clear()
+        failed: OomInfo | None = None
+        fatal = False
         try:
             (scaler.scale(weighted) if scaler is not None else weighted).backward()
         except Exception as exc:
-            # Not agreed: buckets the other ranks wait for may be incomplete (see the README: an OOM in
-            # the synced backward is not rescued in this version).
+            oom = is_oom(exc)
+            message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
+            size = self._micro_batch()
+            failed = OomInfo("backward", message, size, self._baseline)
+            fatal = not (oom and self.auto_recover and size > max(1, self.min_micro_batch) and attempt <= MAX_RETRIES)
+            self._complete_buckets(d, weighted, message)
+        del loss
+        failures, fatals, ranks = d.agree_valid(failed is not None, fatal)
+        if failures:
+            del weighted
+            if not fatals:
+                return False, failed
+            self._drop_step()
+            if failed is not None:
+                if fatal:
+                    self.session.emit(
+                        "oom", phase="backward", message=failed.message, micro_batch=failed.micro_batch, recovered=False
+                    )
+                raise FitError(
+                    f"{failed.message} in the synced backward at micro-batch {failed.micro_batch} on rank {d.rank}, "
+                    f"step {self.steps + 1}: cannot recover here, so every rank stops"
+                )
             raise FitError(
-                f"{'out of memory' if is_oom(exc) else type(exc).__name__} in the synced backward on rank "
-                f"{d.rank}, step {self.steps + 1}: the other ranks may be left waiting [{drop(exc)}]"
-            ) from None
+                f"rank {', '.join(map(str, ranks))} stopped at step {self.steps + 1} (in the synced backward): "
+                "every rank stops; that rank's output says why"
+            )
         if tracker is not None:
             tracker.end_micro_batch()
         local = weighted.detach().float() / scale
         loss_sum = local if loss_sum is None else loss_sum + local
-        del loss, weighted
+        del weighted
         d.broadcast(self.buffers.live)
         try:
             if scaler is not None:
@@ -698,6 +738,25 @@ class _Trainer:
         self.accumulation = count
         self.session.steps += 1
         self.session.samples += total
+        return True, None
+
+    def _complete_buckets(self, d: Distributed, loss: torch.Tensor, message: str) -> None:
+        """The synced backward failed here: finish DDP's reduction with zeros so no rank is left in it
+        (the memory budget is lifted meanwhile: those gradients were counted against it already)."""
+        tracker = self.tracker
+        budget = tracker.budget if tracker is not None else None
+        if tracker is not None:
+            tracker.budget = None
+        try:
+            d.complete_buckets(loss)
+        except Exception as exc:
+            raise FitError(
+                f"{message} in the synced backward on rank {d.rank}, step {self.steps + 1}, and completing its "
+                f"gradient buckets failed too: the other ranks may be left waiting [{drop(exc)}]"
+            ) from None
+        finally:
+            if tracker is not None:
+                tracker.budget = budget
 
     def _fit_error(self, d: Distributed, agreed: Agreed) -> FitError:
         """The error every rank raises together after a step some rank could not train."""

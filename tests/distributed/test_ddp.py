@@ -101,6 +101,9 @@ for name in sys.argv[3:]:
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size),
             memory_budget=os.environ["BUDGET"] if rank == 1 else None)
+    elif name.startswith("sync-"):  # rank 1's budget fits its forward at 4, not its synced backward
+        run(name, mine, auto_recover=name == "sync-recover",
+            memory_budget=os.environ["SYNC_BUDGET"] if rank == 1 else None)
     elif name == "step-error":  # step() raises on rank 1 alone, in the third step (see the test)
         calls = []
         def failing(model, batch, plain=step):
@@ -221,3 +224,23 @@ def test_single_process_is_unchanged():
     result = gputui.fit(model, namespace["global_batches"](), namespace["step"], torch.optim.SGD(model.parameters()))
     assert (result.rank, result.world_size, result.steps) == (0, 1, 3)
     assert type(model) is nn.Sequential
+
+
+def test_an_oom_in_the_synced_backward_is_replayed_by_every_rank(tmp_path):
+    """Rank 1's budget fits its forward at micro-batch 4 but not the synced backward (DDP's all-reduce
+    under way on rank 0). Rank 1 completes the buckets with zeros, the step is agreed invalid: with
+    auto-recover both replay it (rank 1 at micro-batch 2) and end equal to the one-process reference;
+    without, both raise FitError at the same step. Nothing waits for the process group's timeout."""
+    out = launch(tmp_path, "own-group", "sync-recover", "sync-fatal", env={"SYNC_BUDGET": "1400B"})
+    expected = reference(epochs=1)
+    recovered = records(out, "sync-recover")
+    for record, state in zip(recovered, weights(out, "sync-recover"), strict=True):
+        assert (record["steps"], record.get("error")) == (3, None)
+        assert_close(state, expected)
+    assert [e[:2] for e in recovered[1]["events"] if e[0].startswith("oom")] == [["oom_recovered", 0]]
+    assert not [e for e in recovered[0]["events"] if e[0].startswith("oom")]
+
+    fatal = records(out, "sync-fatal")
+    assert [r["steps"] for r in fatal] == [0, 0]
+    assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
+    assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
