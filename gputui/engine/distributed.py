@@ -14,6 +14,7 @@ ran out) is said there, and every rank acts on it together.
 from __future__ import annotations
 
 import atexit
+import gc
 import inspect
 import os
 import warnings
@@ -123,8 +124,16 @@ class Distributed:
             torch.autograd.graph.get_gradient_edge(p).node.register_hook(_arrival(self.arrived, i))
             for i, p in enumerate(self._params)
         ]
+        # A synced forward that returned has DDP expecting its backward (prepare_for_backward): an OOM
+        # after it (in the loss) is no longer this rank's alone. Its outputs say which parameters.
+        self.prepared: list[torch.Tensor] | None = None
+        self._hooks.append(self.model.register_forward_hook(self._forwarded))
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
+
+    def _forwarded(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and self.model.require_backward_grad_sync:
+            self.prepared = [t for t in _tensors(output) if t.requires_grad]
 
     def set_epoch(self, epoch: int) -> None:
         """A DistributedSampler shuffles by its epoch: fit runs the epochs, so fit sets it."""
@@ -178,12 +187,13 @@ class Distributed:
             stop=next((reason for slot, reason in _STOPS if total[slot]), None),
         )
 
-    def complete_buckets(self, loss: torch.Tensor) -> None:
-        """After a synced backward failed here: a backward of zeros into every parameter whose gradient
-        DDP had not taken yet, so each bucket the other ranks wait for is all-reduced and DDP finishes
-        its reduction (the next forward's check passes). With find_unused_parameters, only the ones
-        `loss` reaches: DDP marks the unused ones itself."""
-        expected = _reachable(loss) if self.model.find_unused_parameters else None
+    def complete_buckets(self, roots: list[torch.Tensor]) -> None:
+        """After a synced backward failed here (or the loss after a synced forward): a backward of zeros
+        into every parameter whose gradient DDP had not taken yet, so each bucket the other ranks wait
+        for is all-reduced and DDP finishes its reduction (the next forward's check passes). With
+        find_unused_parameters, only the ones `roots` (the loss, or the forward's outputs) reach: DDP
+        marks the unused ones itself."""
+        expected = _reachable(roots) if self.model.find_unused_parameters else None
         missing = [
             p for i, p in enumerate(self._params) if i not in self.arrived and (expected is None or id(p) in expected)
         ]
@@ -219,11 +229,22 @@ def _arrival(arrived: set[int], index: int) -> Any:
     return hook
 
 
-def _reachable(loss: torch.Tensor) -> set[int]:
-    """The ids of the leaves `loss`'s graph accumulates into (its edges outlive a failed backward)."""
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or containers of them, as DDP finds them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def _reachable(roots: list[torch.Tensor]) -> set[int]:
+    """The ids of the leaves the roots' graph accumulates into (its edges outlive a failed backward)."""
     found: set[int] = set()
     seen: set[Any] = set()
-    stack = [loss.grad_fn]
+    stack = [root.grad_fn for root in roots]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -259,5 +280,9 @@ def _warn_sampler(rank: int) -> None:
 
 
 def _destroy() -> None:
+    """The group goes before the interpreter does, after the DDP wrappers fit left to the garbage
+    collector: one torn down at interpreter exit with its group gone aborted the process
+    (SIGABRT, "terminate called without an active exception") in about 1 launch in 10."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

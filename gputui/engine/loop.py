@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -73,6 +73,17 @@ def _shared(mode: str, model: nn.Module) -> bool:
     if mode == "off":
         return False
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+class _Forwarded(NamedTuple):
+    """A rank's share up to its synced backward: the last micro-batch's loss (None: out of memory
+    after DDP's synced forward returned, `oom`), its samples, the micro-batch count, the loss so far."""
+
+    loss: torch.Tensor | None
+    samples: int
+    pieces: int
+    loss_sum: torch.Tensor | None
+    oom: OomInfo | None
 
 
 def _positive(name: str, value: Any) -> None:
@@ -562,8 +573,10 @@ class _Trainer:
     # -- one global batch as one rank of several ----------------------------------------------
     def _train_shard(self, batch: Any, has_next: bool) -> bool:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
-        another batch this epoch. An OOM in the synced backward is replayed by every rank (the failing
-        one at half its micro-batch); any other OOM or error ends the run on every rank (FitError)."""
+        another batch this epoch. An OOM before the exchange (a forward, a no_sync backward) is this
+        rank's alone: it replays its share at half the micro-batch while the others wait in the
+        exchange. An OOM in the synced backward is replayed by every rank (the failing one at half
+        its micro-batch). What cannot be recovered ends the run on every rank (FitError)."""
         d = self.dist
         assert d is not None
         self.generators.start()
@@ -573,8 +586,17 @@ class _Trainer:
             while True:
                 attempt += 1
                 last = None
-                if d.failure is None and batch is not None:
-                    last = self._forward_shard(d, batch)
+                while d.failure is None and batch is not None:
+                    outcome = self._forward_shard(d, batch)
+                    if not isinstance(outcome, OomInfo):
+                        last = outcome
+                        break
+                    if d.prepared is not None:  # past DDP's synced forward: every rank must see it through
+                        last = _Forwarded(None, 0, 0, None, outcome)
+                        break
+                    self._drop_step()  # this rank's no_sync gradients, draws and running statistics
+                    self._recover_alone(d, outcome, attempt)
+                    attempt += 1
                 signalled = self._signal or self.hub.stop_signal
                 agreed = d.exchange(
                     samples=self.batch_size if batch is not None else None, has_next=has_next, stop=signalled
@@ -585,7 +607,7 @@ class _Trainer:
                     self._drop_step()
                     raise self._fit_error(d, agreed)
                 assert last is not None
-                done, oom = self._synced_shard(d, agreed, *last, attempt)
+                done, oom = self._synced_shard(d, agreed, last, attempt)
                 if done:
                     return agreed.all_have_next
                 self._drop_step()  # every rank: the step's gradients, draws and running statistics
@@ -594,10 +616,11 @@ class _Trainer:
         finally:
             self.generators.end()
 
-    def _forward_shard(self, d: Distributed, batch: Any) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
+    def _forward_shard(self, d: Distributed, batch: Any) -> _Forwarded | OomInfo | None:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
-        collective. Returns the last loss, its samples, the micro-batch count and the loss so far;
-        None when this rank failed (d.failure says how)."""
+        collective. Returns the OOM when this rank ran out of memory (it replays alone unless
+        d.prepared says DDP's synced forward returned before it); None when it failed otherwise
+        (d.failure says how)."""
         from .distributed import Failure
 
         total = self.batch_size
@@ -612,6 +635,7 @@ class _Trainer:
         scaler, tracker = self.precision.scaler, self.tracker
         phase = "forward"
         loss_sum = None
+        d.prepared = None
         try:
             for i, piece in enumerate(pieces):
                 n = size if i < count - 1 else total - size * (count - 1)
@@ -626,7 +650,7 @@ class _Trainer:
                             loss = self.step(self.model, piece)
                     self._check_loss(loss)
                     if i == count - 1:
-                        return loss, n, count, loss_sum
+                        return _Forwarded(loss, n, count, loss_sum, None)
                     phase = "backward"
                     weighted = loss * (n / total)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
@@ -635,54 +659,73 @@ class _Trainer:
                 detached = weighted.detach().float()
                 loss_sum = detached if loss_sum is None else loss_sum + detached
         except Exception as exc:
-            oom = is_oom(exc)
-            message = drop(exc) if oom else str(exc)
-            if oom:
-                self.session.emit("oom", phase=phase, message=message, micro_batch=size, recovered=False)
-                message = (
-                    f"out of memory in {phase} at micro-batch {size} on rank {d.rank}, step {self.steps + 1}: "
-                    f"under torchrun this version does not recover from an OOM, so every rank stops [{message}]"
-                )
-            elif not isinstance(exc, FitError):
+            if is_oom(exc):
+                if self.session.memory_history:  # now, while the failed attempt's tensors are still alive
+                    self.session.snapshot("oom")
+                return OomInfo(phase, drop(exc), size, self._baseline)
+            message = str(exc)
+            if not isinstance(exc, FitError):
                 message = f"{type(exc).__name__} on rank {d.rank}, step {self.steps + 1}: {message}"
-            d.failure = Failure(message, oom=oom, error=None if oom else exc)
+            d.failure = Failure(message, oom=False, error=exc)
         return None
+
+    def _recover_alone(self, d: Distributed, oom: OomInfo, attempt: int) -> None:
+        """An OOM before this rank's first collective of the step: halve and replay here, as one
+        process would; what one process would end with (micro-batch 1, the retry cap) is said at the
+        exchange instead, so every rank ends together. Auto-recover off ends the run too: the others
+        wait in a collective, and a process group's timeout is not a time to think in."""
+        from .distributed import Failure
+
+        try:
+            if not self.auto_recover:
+                self.session.emit(
+                    "oom", phase=oom.phase, message=oom.message, micro_batch=oom.micro_batch, recovered=False
+                )
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch {oom.micro_batch} with auto-recover off: under "
+                    f"torchrun a rank cannot wait for a remedy while the others wait for it [{oom.message}]"
+                )
+            self._recover(oom, attempt)
+        except FitError as exc:
+            d.failure = Failure(f"rank {d.rank}, step {self.steps + 1}: {exc}", oom=True)
 
     def _synced_shard(
         self,
         d: Distributed,
         agreed: Agreed,
-        loss: torch.Tensor,
-        n: int,
-        count: int,
-        loss_sum: torch.Tensor | None,
+        last: _Forwarded,
         attempt: int,
     ) -> tuple[bool, OomInfo | None]:
         """The last backward (DDP all-reduces its buckets), then the step. DDP averages the ranks'
         gradients; scaled by world_size * (this rank's samples) / (all ranks' samples), the average
         is the gradient of the mean loss over the global batch, uneven shards included."""
         total, world = self.batch_size, d.world_size
+        loss, n, count, loss_sum = last.loss, last.samples, last.pieces, last.loss_sum
         scale = world * total / agreed.samples
         if count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
             for group in self.optimizer.param_groups:
                 grads = [p.grad for p in group["params"] if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, scale)
-        weighted = loss * (world * n / agreed.samples)
         scaler, tracker = self.precision.scaler, self.tracker
         d.arrived.clear()
-        failed: OomInfo | None = None
+        failed, oom = last.oom, True
+        weighted = None
+        if loss is not None:
+            weighted = loss * (world * n / agreed.samples)
+            try:
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+            except Exception as exc:
+                oom = is_oom(exc)
+                message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
+                failed = OomInfo("backward", message, self._micro_batch(), self._baseline)
         fatal = False
-        try:
-            (scaler.scale(weighted) if scaler is not None else weighted).backward()
-        except Exception as exc:
-            oom = is_oom(exc)
-            message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
-            size = self._micro_batch()
-            failed = OomInfo("backward", message, size, self._baseline)
-            fatal = not (oom and self.auto_recover and size > max(1, self.min_micro_batch) and attempt <= MAX_RETRIES)
-            self._complete_buckets(d, weighted, message)
-        del loss
+        if failed is not None:
+            halvable = failed.micro_batch > max(1, self.min_micro_batch)
+            fatal = not (oom and self.auto_recover and halvable and attempt <= MAX_RETRIES)
+            self._complete_buckets(d, [weighted] if weighted is not None else d.prepared or [], failed.message)
+        del loss, last
+        d.prepared = None
         failures, fatals, ranks = d.agree_valid(failed is not None, fatal)
         if failures:
             del weighted
@@ -691,17 +734,21 @@ class _Trainer:
             self._drop_step()
             if failed is not None:
                 if fatal:
-                    self.session.emit(
-                        "oom", phase="backward", message=failed.message, micro_batch=failed.micro_batch, recovered=False
-                    )
+                    details: dict[str, Any] = {
+                        "phase": failed.phase,
+                        "message": failed.message,
+                        "micro_batch": failed.micro_batch,
+                    }
+                    self.session.emit("oom", **details, recovered=False)
                 raise FitError(
-                    f"{failed.message} in the synced backward at micro-batch {failed.micro_batch} on rank {d.rank}, "
-                    f"step {self.steps + 1}: cannot recover here, so every rank stops"
+                    f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
+                    f"{d.rank}, step {self.steps + 1}: cannot recover here, so every rank stops"
                 )
             raise FitError(
                 f"rank {', '.join(map(str, ranks))} stopped at step {self.steps + 1} (in the synced backward): "
                 "every rank stops; that rank's output says why"
             )
+        assert weighted is not None
         if tracker is not None:
             tracker.end_micro_batch()
         local = weighted.detach().float() / scale
@@ -740,15 +787,15 @@ class _Trainer:
         self.session.samples += total
         return True, None
 
-    def _complete_buckets(self, d: Distributed, loss: torch.Tensor, message: str) -> None:
-        """The synced backward failed here: finish DDP's reduction with zeros so no rank is left in it
+    def _complete_buckets(self, d: Distributed, roots: list[torch.Tensor], message: str) -> None:
+        """The synced step failed here: finish DDP's reduction with zeros so no rank is left in it
         (the memory budget is lifted meanwhile: those gradients were counted against it already)."""
         tracker = self.tracker
         budget = tracker.budget if tracker is not None else None
         if tracker is not None:
             tracker.budget = None
         try:
-            d.complete_buckets(loss)
+            d.complete_buckets(roots)
         except Exception as exc:
             raise FitError(
                 f"{message} in the synced backward on rank {d.rank}, step {self.steps + 1}, and completing its "

@@ -61,7 +61,7 @@ if sys.argv[2] == "own-group":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 
 
-def run(name, batches, make_hub=None, **kwargs):
+def run(name, batches, make_hub=None, calls=(), **kwargs):
     hub = hubs.Hub()
     hubs.install(hub)
     if make_hub:
@@ -78,6 +78,9 @@ def run(name, batches, make_hub=None, **kwargs):
         steps=result.steps, epochs=result.epochs, stopped=result.stopped, rank=result.rank,
         world_size=result.world_size,
         events=[[e.name, e.step, e.details.get("to")] for e in hub.events()],
+        ooms=[[e.name, e.step, e.details["phase"], e.details.get("micro_batch_to")]
+              for e in hub.events() if e.name.startswith("oom")],
+        calls=len(calls),
     )
     torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
     with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
@@ -97,10 +100,25 @@ for name in sys.argv[3:]:
                 hub.add_sink(RequestAt(hub, 1, "halve_batch"))
                 hub.add_sink(RequestAt(hub, 3, "stop"))
         run(name, mine * 3, make_hub=requests)
+    elif name in ("raise-in-model", "raise-in-loss"):  # rank 1's first step runs out of memory once
+        calls = []
+        def failing(model, batch, plain=step):
+            calls.append(1)
+            if rank == 1 and len(calls) == 1 and name == "raise-in-model":
+                raise torch.OutOfMemoryError("out of memory (in the model)")
+            loss = plain(model, batch)
+            if rank == 1 and len(calls) == 1:  # DDP's synced forward has returned: it awaits the backward
+                raise torch.OutOfMemoryError("out of memory (in the loss)")
+            return loss
+        plain, step = step, failing
+        run(name, mine, calls=calls)
+        step = plain
     elif name.startswith("oom-"):  # a memory budget on rank 1 alone: out of memory there
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size),
             memory_budget=os.environ["BUDGET"] if rank == 1 else None)
+    elif name == "local-recover":  # rank 1's budget fits micro-batch 1, not its no_sync backward at 2
+        run(name, mine, micro_batch=2, memory_budget=os.environ["LOCAL_BUDGET"] if rank == 1 else None)
     elif name.startswith("sync-"):  # rank 1's budget fits its forward at 4, not its synced backward
         run(name, mine, auto_recover=name == "sync-recover",
             memory_budget=os.environ["SYNC_BUDGET"] if rank == 1 else None)
@@ -197,17 +215,18 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
 
 
 def test_a_failing_rank_ends_every_rank(tmp_path):
-    """An OOM in a forward (micro-batch None), in a no_sync backward (micro-batch 1), or an error in
-    step() on rank 1 alone: both ranks raise FitError at the same step, and nothing hangs."""
+    """Rank 1 alone runs out of memory even at micro-batch 1 (after halving alone from 4, or from the
+    start), or step() raises there: both ranks raise FitError at the same step, and nothing hangs."""
     out = launch(tmp_path, "own-group", "oom-None", "oom-1", "step-error", env={"BUDGET": "1KiB"})
     for name in ("oom-None", "oom-1", "step-error"):
         both = records(out, name)
         assert all("error" in r for r in both), (name, both)
         assert both[0]["steps"] == both[1]["steps"]
-        assert "rank 1" in both[0]["error"]
-        assert both[0]["error"].startswith("rank 1 stopped at step")
-    assert "out of memory in forward at micro-batch 4 on rank 1" in records(out, "oom-None")[1]["error"]
-    assert "out of memory in backward at micro-batch 1 on rank 1" in records(out, "oom-1")[1]["error"]
+        assert both[0]["error"].startswith("rank 1 stopped at step"), both[0]["error"]
+    for name in ("oom-None", "oom-1"):
+        error = records(out, name)[1]["error"]
+        assert error.startswith("rank 1, step 1: out of memory in backward at micro-batch 1: not even one sample fits")
+    assert [e[3] for e in records(out, "oom-None")[1]["ooms"]] == [2, 1, None], "halved alone twice, then gave up"
     # Not in step 2: DDP's first forward after the first synced backward rebuilds its buckets (a
     # broadcast), so an error raised before step() calls the model there leaves the other rank in it.
     assert "ValueError on rank 1, step 3: bad batch" in records(out, "step-error")[1]["error"]
@@ -226,19 +245,32 @@ def test_single_process_is_unchanged():
     assert type(model) is nn.Sequential
 
 
-def test_an_oom_in_the_synced_backward_is_replayed_by_every_rank(tmp_path):
-    """Rank 1's budget fits its forward at micro-batch 4 but not the synced backward (DDP's all-reduce
-    under way on rank 0). Rank 1 completes the buckets with zeros, the step is agreed invalid: with
-    auto-recover both replay it (rank 1 at micro-batch 2) and end equal to the one-process reference;
-    without, both raise FitError at the same step. Nothing waits for the process group's timeout."""
-    out = launch(tmp_path, "own-group", "sync-recover", "sync-fatal", env={"SYNC_BUDGET": "1400B"})
+def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
+    """Rank 1 alone runs out of memory, and every run ends equal to the one-process reference:
+    - in the model's forward, or in a no_sync backward (its budget fits micro-batch 1, not 2):
+      before its first collective of the step, so it replays its share alone at half the
+      micro-batch while rank 0 waits in the exchange (rank 0 runs step() once a micro-batch);
+    - in the loss, after DDP's synced forward returned (DDP awaits that backward), or in the synced
+      backward (its budget fits the forward at 4): rank 1 completes the gradient buckets with
+      zeros, the step is agreed invalid and both replay it (rank 1 at half its micro-batch).
+    Without auto-recover the synced backward's OOM ends both at the same step. Nothing waits for
+    the process group's timeout."""
+    scenarios = ("raise-in-model", "local-recover", "raise-in-loss", "sync-recover", "sync-fatal")
+    out = launch(tmp_path, "own-group", *scenarios, env={"LOCAL_BUDGET": "1300B", "SYNC_BUDGET": "1400B"})
     expected = reference(epochs=1)
-    recovered = records(out, "sync-recover")
-    for record, state in zip(recovered, weights(out, "sync-recover"), strict=True):
-        assert (record["steps"], record.get("error")) == (3, None)
-        assert_close(state, expected)
-    assert [e[:2] for e in recovered[1]["events"] if e[0].startswith("oom")] == [["oom_recovered", 0]]
-    assert not [e for e in recovered[0]["events"] if e[0].startswith("oom")]
+    ooms = {"raise-in-model": ("forward", 2), "local-recover": ("backward", 1), "raise-in-loss": ("forward", 2)}
+    ooms["sync-recover"] = ("backward", 2)
+    for name, (phase, to) in ooms.items():
+        both = records(out, name)
+        for record, state in zip(both, weights(out, name), strict=True):
+            assert (record["steps"], record.get("error")) == (3, None), name
+            assert_close(state, expected)
+        assert both[1]["ooms"] == [["oom_recovered", 0, phase, to]], name
+        assert both[0]["ooms"] == [], name
+    # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces); rank 0 trains
+    # its 3 batches whole, and replays the first when rank 1's failure came after DDP's forward.
+    assert [r["calls"] for r in records(out, "raise-in-model")] == [3, 6]
+    assert [r["calls"] for r in records(out, "raise-in-loss")] == [4, 6]
 
     fatal = records(out, "sync-fatal")
     assert [r["steps"] for r in fatal] == [0, 0]
