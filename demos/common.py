@@ -52,6 +52,6 @@ def fit_kwargs(args: argparse.Namespace) -> dict:
 
 
 def finish(model, result: gputui.FitResult, args: argparse.Namespace) -> None:
-    if args.save:
+    if args.save and result.rank == 0:  # under torchrun every rank holds the same weights
         gputui.save(model.state_dict(), args.save)
         print(f"saved the model to {args.save} after step {result.steps}")

@@ -2,15 +2,18 @@
 
 python demos/mlp.py                      # headless, with a progress line
 gputui run --headless demos/mlp.py --memory-budget 8MiB   # watch OOMs being recovered
+torchrun --nproc-per-node 2 demos/mlp.py # two ranks (DDP); `gputui jobs` lists both
 """
 
 from __future__ import annotations
+
+import os
 
 import common
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gputui
 
@@ -69,7 +72,13 @@ def main() -> None:
     x = torch.randn(n, args.features)
     with torch.no_grad():
         y = teacher(x).argmax(dim=1)
-    data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=True, drop_last=True)
+    dataset = TensorDataset(x, y)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # under torchrun: each rank trains its share of every global batch
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=int(os.environ["RANK"]), drop_last=True)
+        data = DataLoader(dataset, batch_size=args.batch // world, sampler=sampler, drop_last=True)
+    else:
+        data = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True)
 
     model = MLP(args.features, args.width, args.depth, args.classes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

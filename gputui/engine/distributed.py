@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..telemetry.controls import ACTIONS, Control
+from .result import FitError
 
 # The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
 HAS_BATCH, SAMPLES, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
@@ -63,6 +64,13 @@ def device_for(device: str | torch.device | None) -> str | torch.device | None:
     if torch.cuda.is_available() and (device is None or str(device) == "cuda"):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
+
+
+def job_id() -> str:
+    """What every rank of one torchrun job shares and no other job does: its run id (torchrun makes
+    one up when none is given) and where its ranks met."""
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}@{where}"
 
 
 @dataclass
@@ -135,6 +143,10 @@ class Distributed:
         if torch.is_grad_enabled() and self.model.require_backward_grad_sync:
             self.prepared = [t for t in _tensors(output) if t.requires_grad]
 
+    def identity(self) -> dict[str, Any]:
+        """This rank in its job, for the run's info (`gputui jobs` groups the ranks by `job`)."""
+        return {"rank": self.rank, "world_size": self.world_size, "job": job_id()}
+
     def set_epoch(self, epoch: int) -> None:
         """A DistributedSampler shuffles by its epoch: fit runs the epochs, so fit sets it."""
         if self.sampler is not None:
@@ -171,7 +183,7 @@ class Distributed:
         for i, key in enumerate(CONTROL_SLOTS):
             vector[_FIRST_CONTROL + i] = len(mine.get(key, ()))
         tensor = torch.tensor(vector, dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor)
+        _collective(dist.all_reduce, tensor)
         total = tensor.tolist()
         for i, (action, value) in enumerate(CONTROL_SLOTS):
             local = mine.get((action, value), [])
@@ -205,7 +217,7 @@ class Distributed:
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
         bits = 1 << self.rank if failed and self.rank < _MASKED_RANKS else 0
         tensor = torch.tensor([int(failed), int(fatal), bits], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor)
+        _collective(dist.all_reduce, tensor)
         failures, fatals, ranks = tensor.tolist()
         return failures, fatals, [r for r in range(min(self.world_size, _MASKED_RANKS)) if ranks >> r & 1]
 
@@ -219,7 +231,20 @@ class Distributed:
         """Rank 0's running statistics to every rank (what DDP's broadcast_buffers does each forward)."""
         if self.ours:
             for tensor in tensors:
-                dist.broadcast(tensor, 0)
+                _collective(dist.broadcast, tensor, 0)
+
+
+def _collective(op: Any, *args: Any) -> None:
+    """One of fit's own collectives; a peer gone (killed, crashed, its node lost) is a FitError that
+    says so, not the transport's traceback."""
+    try:
+        op(*args)
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's and nccl's errors
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FitError(
+            f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
+            f"says why) [{message}]"
+        ) from None
 
 
 def _arrival(arrived: set[int], index: int) -> Any:

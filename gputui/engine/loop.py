@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ from .session import RunSession
 
 if TYPE_CHECKING:
     from .distributed import Agreed, Distributed
+
+REPEATED_SIGNAL_S = 2.0
+"""Under torchrun a Ctrl-C reaches a rank twice (from the terminal, then passed on by torchrun): a
+second signal this soon after the first is that one, not a request to stop at once."""
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
@@ -981,6 +986,7 @@ class _Trainer:
             checkpointing=self.checkpointing.enabled,
             checkpointing_how=self.checkpointing.how,
             auto_recover=self.auto_recover,
+            **(self.dist.identity() if self.dist is not None else {}),
         )
 
     def _planned_epochs(self, steps_per_epoch: int | None) -> int | None:
@@ -1012,12 +1018,17 @@ class _Trainer:
         names: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
         previous = {sig: signal.getsignal(sig) for sig in names}
 
+        first: list[float] = []
+
         def handler(signum: int, frame: Any) -> None:
             if self._signal is not None:  # the second one: stop now
+                if self.dist is not None and time.monotonic() - first[0] < REPEATED_SIGNAL_S:
+                    return  # torchrun passing on the Ctrl-C the terminal gave this rank already
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
                 raise SystemExit(128 + signum)
             self._signal = names[signum]
+            first.append(time.monotonic())
             # No lock may be taken in a handler (the interrupted code may hold it): write directly.
             sys.stderr.write(
                 f"\ngputui: {self._signal}: finishing the current step, then stopping (again to stop at once)\n"

@@ -93,6 +93,8 @@ class ProgressLine:
         self.quiet = info.observed
         if self.quiet:
             return
+        # Under torchrun one rank prints (rank 0): its batch, samples and speed are its share's.
+        ranks = f" as rank {info.rank} of {info.world_size} (figures are this rank's)" if info.world_size > 1 else ""
         length = []
         if info.epochs:
             length.append(f"{info.epochs} epoch{'s' if info.epochs != 1 else ''}")
@@ -101,7 +103,7 @@ class ProgressLine:
         budget = f", budget {format_bytes(info.memory_budget)}" if info.memory_budget else ""
         self._write(
             f"gputui: training {info.model} ({format_count(info.params)} params) on {info.device_name}"
-            f"{budget}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n"
+            f"{budget}{ranks}; {', '.join(length) or 'until the data ends'}; Ctrl-C stops after the current step\n"
         )
 
     def on_sample(self, sample: StepSample) -> None:

@@ -58,6 +58,10 @@ class RunInfo:
     refused: Mapping[str, str] = field(default_factory=dict)
     """Control action -> why this run refuses it (an own loop cannot change its batch, a model
     without repeated blocks has nothing to checkpoint). Absent: the run takes it."""
+    rank: int = 0
+    world_size: int = 1
+    job: str = ""
+    """Under torchrun, what the ranks of one job share (its run id and rendezvous): "" for one process."""
 
     @property
     def observed(self) -> bool:
@@ -85,6 +89,9 @@ class RunInfo:
 _INFO_TYPES: dict[str, Any] = {
     "mode": str,
     "pid": int,
+    "rank": int,
+    "world_size": int,
+    "job": str,
     "started": NUMBER,
     "argv": (list, tuple),
     "device": str,

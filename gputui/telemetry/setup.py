@@ -45,13 +45,15 @@ def opened(
             metrics.close()
 
 
-def for_process(progress: TextIO) -> hubs.Hub:
+def for_process(progress: TextIO | None) -> hubs.Hub:
     """The hub fit() publishes into when nothing installed one (plain `python script.py`): opened
     once, kept for later fits, closed at exit."""
     current = hubs.current()
     if current is not None:
         return current
     stack = contextlib.ExitStack()
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, one progress line: rank 0's
+        progress = None
     hub = stack.enter_context(opened(progress=progress))
     atexit.register(stack.close)
     return hub

@@ -113,6 +113,26 @@ for name in sys.argv[3:]:
         plain, step = step, failing
         run(name, mine, calls=calls)
         step = plain
+    elif name.startswith("signal-"):  # rank 1 alone gets SIGTERM / SIGINT (twice: -twice) after its step 3
+        import signal
+        from gputui.telemetry.hub import Sink
+
+        class SignalAt(Sink):
+            def on_sample(self, sample):
+                if sample.step == 3:
+                    for _ in range(2 if name.endswith("-twice") else 1):
+                        os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
+
+        run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name == "vanish":  # rank 1's process ends after its step 3 (exit status 0: torchrun waits for rank 0)
+        from gputui.telemetry.hub import Sink
+
+        class ExitAt(Sink):
+            def on_sample(self, sample):
+                if sample.step == 3:
+                    os._exit(0)
+
+        run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(ExitAt()))
     elif name.startswith("oom-"):  # a memory budget on rank 1 alone: out of memory there
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size),
@@ -212,6 +232,24 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
         assert (record["stopped"], record["steps"]) == ("requested", 4)
     a, b = weights(out, "controls")
     assert_close(a, b)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGTERM (a scheduler's) or SIGINT (a Ctrl-C) reaching rank 1 alone, after its step 3: said at
+    step 4's exchange, so both ranks finish step 4 and stop there, with the same weights. A Ctrl-C
+    reaches a rank twice under torchrun (the terminal's, then torchrun's): still one graceful stop.
+    A rank whose process ends mid-run leaves the other with a FitError that says so."""
+    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "vanish")
+    stops = (("signal-TERM", "terminated"), ("signal-INT", "interrupted"), ("signal-INT-twice", "interrupted"))
+    for name, reason in stops:
+        for record in records(out, name):
+            assert (record["stopped"], record["steps"], record.get("error")) == (reason, 4, None), name
+        a, b = weights(out, name)
+        assert_close(a, b)
+    # A rank gone without a word: the others say so in a FitError, not with gloo's traceback.
+    survivor = json.loads((out / "vanish.0.json").read_text())
+    assert survivor["error"].startswith("rank 0 lost the other ranks"), survivor
+    assert not (out / "vanish.1.json").exists()
 
 
 def test_a_failing_rank_ends_every_rank(tmp_path):
