@@ -88,12 +88,14 @@ def resolve(target: str | None, *, err: TextIO = sys.stderr, choose: bool = Fals
     if not (choose and sys.stdin.isatty()):
         rows = "\n".join(f"  {j.pid}  {j.path}" for j in jobs)
         raise JobError(f"{len(jobs)} jobs are running; name one (PID or socket):\n{rows}")
-    for i, job in enumerate(jobs, 1):
-        err.write(f"  [{i}] {row(job)['summary']}\n")
-    answer = input(f"attach to which job? [1-{len(jobs)}] ").strip()
-    if not answer.isdigit() or not 1 <= int(answer) <= len(jobs):
+    offered = _grouped([row(job) for job in jobs])  # the ranks of a torchrun job together, each saying its rank
+    for i, r in enumerate(offered, 1):
+        err.write(f"  [{i}] {r['summary']}\n")
+    answer = input(f"attach to which job? [1-{len(offered)}] ").strip()
+    if not answer.isdigit() or not 1 <= int(answer) <= len(offered):
         raise JobError(f"not a job number: {answer!r}")
-    return jobs[int(answer) - 1]
+    chosen = offered[int(answer) - 1]
+    return Job(chosen["pid"], chosen["socket"])
 
 
 def connect(job: Job, *, control: bool = False, timeout: float = 5.0) -> Connection:
@@ -144,6 +146,9 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
         "state": state,
         "step": latest.get("step"),
         "total_steps": info.total_steps if info else None,
+        "rank": info.rank if info else None,
+        "world_size": info.world_size if info else None,
+        "job": info.job if info else None,
         "loss": latest.get("loss"),
         "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1),
         "socket": job.path,
@@ -151,17 +156,28 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     step = (
         "-" if data["step"] is None else f"{data['step']}" + (f"/{data['total_steps']}" if data["total_steps"] else "")
     )
+    script = data["script"][:40]
+    if info is not None and info.world_size > 1:  # a torchrun rank: which one, bounded as the other cells
+        script += f" rank {info.rank}/{info.world_size}"[:24]
     data["summary"] = (
-        f"{job.pid:>7}  {data['script'][:40]:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
+        f"{job.pid:>7}  {script:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
         f"{step:>11}  {format_duration(data['uptime_s']):>9}  {job.path}"
     )
     return data
 
 
+def _grouped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with the ranks of each torchrun job together (where its first-listed rank was), in
+    rank order: under torchrun every rank serves its own socket, and the sockets are listed by name."""
+    first: dict[str, int] = {}
+    keys = [(first.setdefault(r["job"], i), r.get("rank") or 0) if r.get("job") else (i, 0) for i, r in enumerate(rows)]
+    return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)]
+
+
 def list_jobs(as_json: bool, out: TextIO, err: TextIO = sys.stderr) -> int:
     """Every job, one row each; 1 (after listing the others, each failure one line on `err`) if
     some job could not be read."""
-    rows = [row(job) for job in _jobs()]
+    rows = _grouped([row(job) for job in _jobs()])
     if as_json:
         out.write(json.dumps([{k: v for k, v in r.items() if k != "summary"} for r in rows], indent=2) + "\n")
     elif not rows:

@@ -179,6 +179,11 @@ class RunView:
         return self.info.device_name if self.info else ""
 
     @property
+    def rank(self) -> tuple[int, int] | None:
+        """(rank, world size) of one rank of a torchrun job, whose every rank is its own run; None for one process."""
+        return (self.info.rank, self.info.world_size) if self.info and self.info.world_size > 1 else None
+
+    @property
     def observed(self) -> bool:
         """The script runs its own loop (gputui watches it): no batch, AMP or checkpointing of its own."""
         return self.info is not None and self.info.observed

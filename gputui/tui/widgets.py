@@ -115,6 +115,10 @@ class HeaderBar(RunPanel):
             (0, " gputui ", "bold reverse"),
             (0, f" {v.name} ", "bold"),
             (5, f"│ {device} ", ""),
+        ]
+        if v.rank is not None:  # each torchrun rank is its own run (and socket): which one this is stays
+            parts.append((0, f"│ rank {v.rank[0]} of {v.rank[1]} ", ""))
+        parts += [
             (0, "│ ", ""),
             (0, status, self.STATUS_STYLES.get(status, "bold")),
         ]

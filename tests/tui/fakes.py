@@ -173,9 +173,13 @@ class FakeSource:
         return len(self.sent) + 100
 
 
-def cuda_run(steps: int = 300) -> FakeSource:
+def cuda_run(steps: int = 300, **extra) -> FakeSource:
+    """A GPT on an H100; `extra`: fields of its info (a rank of a torchrun job: rank, world_size, job)."""
     return FakeSource(
-        [cuda_sample(s) for s in range(1, steps + 1)], cuda_events(), info("cuda:0", "NVIDIA H100 80GB HBM3"), GPUS
+        [cuda_sample(s) for s in range(1, steps + 1)],
+        cuda_events(),
+        info("cuda:0", "NVIDIA H100 80GB HBM3", **extra),
+        GPUS,
     )
 
 

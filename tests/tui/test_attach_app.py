@@ -17,8 +17,9 @@ from gputui.tui.remote import RemoteSource
 
 
 @pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A hub served on a socket, training-like: a sample every 20 ms, controls answered at boundaries."""
+def job(tmp_path, monkeypatch, request):
+    """A hub served on a socket, training-like: a sample every 20 ms, controls answered at boundaries;
+    a parametrized test's param: more fields of its info."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     hub = Hub()
     server = TelemetryServer(hub).start()
@@ -31,6 +32,7 @@ def job(tmp_path, monkeypatch):
             pid=4242,
             total_steps=10_000,
             auto_recover=True,
+            **getattr(request, "param", {}),
         )
     )
 
@@ -117,4 +119,15 @@ async def test_control_attach_steers_the_job(job):
         await until(pilot, lambda: "micro-batch 32 × 2 = 64" in text(app, "#remedies"))
         assert "✓ micro-batch 64 -> 32" in text(app, "#timeline")
         assert not app.view.pending
+    mirror.stop()
+
+
+@pytest.mark.parametrize("job", [{"rank": 1, "world_size": 2, "job": "run7@node0:29500"}], indirect=True)
+async def test_an_attached_rank_says_which_it_is(job):
+    """Each rank of a torchrun job serves its own socket: attached to one, the header says which."""
+    hub, server, stop = job
+    app, mirror = attach(server, control=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None)
+        assert "train.py · pid 4242 │ rank 1 of 2 │ training" in text(app, "#header"), text(app, "#header")
     mirror.stop()

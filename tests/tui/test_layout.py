@@ -27,8 +27,9 @@ def region(app, selector) -> str:
     return "\n".join(row[r.x : r.right] for row in drawn(app)[r.y : r.bottom])
 
 
-async def shown(source, size):
+async def shown(source, size, remote=False):
     app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=4)
+    app.view.remote = remote  # as `gputui attach` makes it: the header names the job's script and pid
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: app.view.samples_seen > 0)
         await until(pilot, lambda: "quit" in drawn(app)[-1])  # under load the footer is drawn a moment later
@@ -49,6 +50,7 @@ def assert_whole(screen):
 async def test_cuda_legends_fit(size):
     screen = await shown(cuda_run(), size)
     assert_whole(screen)
+    assert "rank" not in screen["header"]  # one process: no rank to name
     memory, loss = screen["memory"], screen["loss"]
     wide = size[0] >= 120
     for label in ("allocated", "reserved", "fragmented") if wide else ("alloc", "resv", "frag"):
@@ -86,6 +88,19 @@ async def test_own_loop_legend_and_reason_fit(size):
         assert "b B a c o (batch, AMP, checkpointing, auto-recover) need gputui.fit" in remedies
         assert "· s: memory snapshots are a CUDA allocator feature" in remedies
     assert "from backward()" in screen["loss"]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "attached"])
+async def test_a_torchrun_rank_says_which_it_is(size, remote):
+    rank = cuda_run(rank=1, world_size=2, job="run7@node0:29500", pid=4242, argv=("ddp.py",))
+    screen = await shown(rank, size, remote=remote)
+    assert_whole(screen)
+    header = screen["header"]
+    assert "│ rank 1 of 2 │ training" in header and "…" not in header, header  # kept whole, whatever goes first
+    assert ("ddp.py · pid 4242" if remote else "train.py") in header, header
+    if size[0] == 160 or (size[0] == 120 and not remote):  # beside the device where the line has room for it
+        assert "│ H100 80GB HBM3 │ rank 1 of 2 │" in header, header
 
 
 async def test_the_footer_drops_the_remedy_keys_first():
