@@ -30,6 +30,7 @@ BENCHMARKS = {
     "recovery": "OOM recovery",
     "remedies": "Memory saved per remedy",
     "tool_costs": "Costs of the tool itself",
+    "distributed": "Under torchrun: gputui.fit against a plain DDP loop, and the per-step exchange",
 }
 TIMEOUT = 1800
 
