@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -44,6 +45,7 @@ CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
 state on every rank after them)."""
 _FIRST_CONTROL = REQUESTED + 1
 _MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
+_VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
 NOT_YET = "not under torchrun yet: every rank would have to pause together and keep the process group alive"
 """Why pause and resume are refused under torchrun in this version."""
@@ -118,12 +120,19 @@ class Distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             self.model = DistributedDataParallel(model, device_ids=device_ids, **_NO_FORWARD_SYNC)
             self.ours = True
+            # Whether the synced backward failed anywhere rides on DDP's own gradient all-reduce (the
+            # last bucket's, a few more elements): no collective of its own. A script's DDP may have a
+            # hook of its own: there a small all_reduce after the backward says it (agree_valid).
+            self.model.register_comm_hook(self, _with_verdict)
         self.inner: nn.Module = self.model.module
         self.sampler = _distributed_sampler(data)
         self._first_epoch = getattr(self.sampler, "epoch", 0)
         if self.sampler is None and isinstance(data, DataLoader):
             _warn_sampler(self.rank)
         self.failure: Failure | None = None
+        self._verdict = [0, 0, 0]  # this rank's: its synced backward failed, cannot go on, its bit
+        self._verdict_sent = False
+        self._verdicts: torch.Tensor | None = None  # every rank's, summed
         # Which parameters' gradients DDP has taken in the synced backward: a post hook on each one's
         # AccumulateGrad node, registered after DDP's (hooks run in order), so an OOM there can be rescued.
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
@@ -212,14 +221,29 @@ class Distributed:
         if missing:
             torch.autograd.backward(missing, grad_tensors=[torch.zeros_like(p) for p in missing])
 
-    def agree_valid(self, failed: bool, fatal: bool) -> tuple[int, int, list[int]]:
+    def begin_synced(self) -> None:
+        """Before the synced backward: no gradient taken yet, nothing failed."""
+        self.arrived.clear()
+        self._verdict, self._verdict_sent, self._verdicts = [0, 0, 0], False, None
+
+    def failed_synced(self, fatal: bool) -> bool:
+        """This rank's synced step failed, before its buckets are completed: the last one carries it.
+        False when the last bucket went out before the failure (the others cannot hear of it now)."""
+        bit = 1 << self.rank if self.rank < _VERDICT_RANKS else 0
+        self._verdict = [1, int(fatal), bit]
+        return not (self.ours and self._verdict_sent)
+
+    def agree_valid(self) -> tuple[int, int, list[int]]:
         """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
-        bits = 1 << self.rank if failed and self.rank < _MASKED_RANKS else 0
-        tensor = torch.tensor([int(failed), int(fatal), bits], dtype=torch.int64, device=self.device)
-        _collective(dist.all_reduce, tensor)
-        failures, fatals, ranks = tensor.tolist()
-        return failures, fatals, [r for r in range(min(self.world_size, _MASKED_RANKS)) if ranks >> r & 1]
+        if self.ours:
+            assert self._verdicts is not None, "DDP's last bucket was not all-reduced"
+            failures, fatals, ranks = (round(x) for x in self._verdicts.tolist())
+        else:
+            tensor = torch.tensor(self._verdict, dtype=torch.int64, device=self.device)
+            _collective(dist.all_reduce, tensor)
+            failures, fatals, ranks = tensor.tolist()
+        return failures, fatals, [r for r in range(min(self.world_size, _VERDICT_RANKS)) if ranks >> r & 1]
 
     def close(self) -> None:
         """Remove the arrival hooks: the model (and DDP's reducer) outlive fit."""
@@ -245,6 +269,26 @@ def _collective(op: Any, *args: Any) -> None:
             f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
             f"says why) [{message}]"
         ) from None
+
+
+def _with_verdict(d, bucket):
+    """DDP's all-reduce of a bucket (the mean over the ranks, as its default hook), with each rank's
+    verdict on its synced backward appended to the last bucket of the step and summed with it.
+    Unannotated: DDP compares the annotations with its own types, and here they would be strings."""
+    if not bucket.is_last():
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    buffer = bucket.buffer()
+    d._verdict_sent = True
+    verdict = torch.tensor(d._verdict, dtype=buffer.dtype, device=buffer.device)
+    joined = torch.cat([buffer / d.world_size, verdict])
+    size = buffer.numel()
+
+    def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = done.value()[0]
+        d._verdicts = out[size:]
+        return out[:size]
+
+    return dist.all_reduce(joined, async_op=True).get_future().then(split)
 
 
 def _arrival(arrived: set[int], index: int) -> Any:

@@ -713,7 +713,7 @@ class _Trainer:
                 if grads:
                     torch._foreach_mul_(grads, scale)
         scaler, tracker = self.precision.scaler, self.tracker
-        d.arrived.clear()
+        d.begin_synced()
         failed, oom = last.oom, True
         weighted = None
         if loss is not None:
@@ -728,10 +728,16 @@ class _Trainer:
         if failed is not None:
             halvable = failed.micro_batch > max(1, self.min_micro_batch)
             fatal = not (oom and self.auto_recover and halvable and attempt <= MAX_RETRIES)
+            if not d.failed_synced(fatal):  # after its gradients went out: the others step on them
+                from .distributed import Failure
+
+                self._drop_step()
+                d.failure = Failure(f"{failed.message} after the synced backward on rank {d.rank}", oom=oom)
+                return False, None  # said at the next exchange, where every rank stops
             self._complete_buckets(d, [weighted] if weighted is not None else d.prepared or [], failed.message)
         del loss, last
         d.prepared = None
-        failures, fatals, ranks = d.agree_valid(failed is not None, fatal)
+        failures, fatals, ranks = d.agree_valid()
         if failures:
             del weighted
             if not fatals:

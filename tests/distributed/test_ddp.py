@@ -61,7 +61,7 @@ if sys.argv[2] == "own-group":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 
 
-def run(name, batches, make_hub=None, calls=(), **kwargs):
+def run(name, batches, make_hub=None, calls=(), wrap=False, **kwargs):
     hub = hubs.Hub()
     hubs.install(hub)
     if make_hub:
@@ -70,7 +70,8 @@ def run(name, batches, make_hub=None, calls=(), **kwargs):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     record = {}
     try:
-        result = gputui.fit(model, batches, step, optimizer, **kwargs)
+        fitted = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+        result = gputui.fit(fitted, batches, step, optimizer, **kwargs)
     except gputui.FitError as exc:
         record["error"] = str(exc)
         result = exc.result
@@ -139,8 +140,8 @@ for name in sys.argv[3:]:
             memory_budget=os.environ["BUDGET"] if rank == 1 else None)
     elif name == "local-recover":  # rank 1's budget fits micro-batch 1, not its no_sync backward at 2
         run(name, mine, micro_batch=2, memory_budget=os.environ["LOCAL_BUDGET"] if rank == 1 else None)
-    elif name.startswith("sync-"):  # rank 1's budget fits its forward at 4, not its synced backward
-        run(name, mine, auto_recover=name == "sync-recover",
+    elif name.startswith(("sync-", "wrapped-sync-")):  # rank 1's budget fits its forward at 4, not its synced backward
+        run(name, mine, auto_recover=name.endswith("-recover"), wrap=name.startswith("wrapped-"),
             memory_budget=os.environ["SYNC_BUDGET"] if rank == 1 else None)
     elif name == "step-error":  # step() raises on rank 1 alone, in the third step (see the test)
         calls = []
@@ -290,14 +291,23 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
       micro-batch while rank 0 waits in the exchange (rank 0 runs step() once a micro-batch);
     - in the loss, after DDP's synced forward returned (DDP awaits that backward), or in the synced
       backward (its budget fits the forward at 4): rank 1 completes the gradient buckets with
-      zeros, the step is agreed invalid and both replay it (rank 1 at half its micro-batch).
+      zeros, the step is agreed invalid and both replay it (rank 1 at half its micro-batch). The
+      verdict rides on DDP's last bucket where fit wrapped the model, and takes an all_reduce of its
+      own where the script did (wrapped-sync-recover).
     Without auto-recover the synced backward's OOM ends both at the same step. Nothing waits for
     the process group's timeout."""
-    scenarios = ("raise-in-model", "local-recover", "raise-in-loss", "sync-recover", "sync-fatal")
+    scenarios = (
+        "raise-in-model",
+        "local-recover",
+        "raise-in-loss",
+        "sync-recover",
+        "wrapped-sync-recover",
+        "sync-fatal",
+    )
     out = launch(tmp_path, "own-group", *scenarios, env={"LOCAL_BUDGET": "1300B", "SYNC_BUDGET": "1400B"})
     expected = reference(epochs=1)
     ooms = {"raise-in-model": ("forward", 2), "local-recover": ("backward", 1), "raise-in-loss": ("forward", 2)}
-    ooms["sync-recover"] = ("backward", 2)
+    ooms["sync-recover"] = ooms["wrapped-sync-recover"] = ("backward", 2)
     for name, (phase, to) in ooms.items():
         both = records(out, name)
         for record, state in zip(both, weights(out, name), strict=True):
