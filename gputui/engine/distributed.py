@@ -111,9 +111,15 @@ class Distributed:
             atexit.register(_destroy)  # the script made no group: ours goes when the process does
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
+        self._buffer_sync: tuple[str, bool] | None = None
         if isinstance(model, DistributedDataParallel):
             self.model: DistributedDataParallel = model
             self.ours = False
+            # Its forward would broadcast rank 0's buffers after each synced forward, a collective a
+            # rank replaying alone would issue once more: off while fit runs, done once a step instead.
+            attr = "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
+            self._buffer_sync = (attr, bool(getattr(model, attr)))
+            setattr(model, attr, False)
         else:
             # No buffer sync in forward: DDP would broadcast rank 0's buffers in every forward (a
             # collective a replay could not match); the running statistics are broadcast once a step.
@@ -125,6 +131,8 @@ class Distributed:
             # hook of its own: there a small all_reduce after the backward says it (agree_valid).
             self.model.register_comm_hook(self, _with_verdict)
         self.inner: nn.Module = self.model.module
+        synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
+        self._buffers: list[torch.Tensor] = list(self.model.modules_buffers) if synced else []
         self.sampler = _distributed_sampler(data)
         self._first_epoch = getattr(self.sampler, "epoch", 0)
         if self.sampler is None and isinstance(data, DataLoader):
@@ -208,13 +216,16 @@ class Distributed:
             stop=next((reason for slot, reason in _STOPS if total[slot]), None),
         )
 
-    def complete_buckets(self, roots: list[torch.Tensor]) -> None:
+    def reached(self, roots: list[torch.Tensor]) -> set[int] | None:
+        """The parameters a failed synced step's graph reaches (ids), where DDP needs to know: with
+        find_unused_parameters it marks the others itself. None: every parameter."""
+        return _reachable(roots) if self.model.find_unused_parameters else None
+
+    def complete_buckets(self, expected: set[int] | None) -> None:
         """After a synced backward failed here (or the loss after a synced forward): a backward of zeros
-        into every parameter whose gradient DDP had not taken yet, so each bucket the other ranks wait
-        for is all-reduced and DDP finishes its reduction (the next forward's check passes). With
-        find_unused_parameters, only the ones `roots` (the loss, or the forward's outputs) reach: DDP
-        marks the unused ones itself."""
-        expected = _reachable(roots) if self.model.find_unused_parameters else None
+        into every parameter whose gradient DDP had not taken yet (of `expected`, see reached()), so
+        each bucket the other ranks wait for is all-reduced and DDP finishes its reduction (the next
+        forward's check passes)."""
         missing = [
             p for i, p in enumerate(self._params) if i not in self.arrived and (expected is None or id(p) in expected)
         ]
@@ -245,17 +256,35 @@ class Distributed:
             failures, fatals, ranks = tensor.tolist()
         return failures, fatals, [r for r in range(min(self.world_size, _VERDICT_RANKS)) if ranks >> r & 1]
 
+    def rebuild_buckets(self) -> None:
+        """DDP rebuilds its buckets (rank 0 broadcasts their order) in the first forward after the first
+        synced backward: a rank failing before it calls its model then would leave the others in that
+        broadcast. Done here, after the synced backward, where every rank is; once."""
+        if not self.model._has_rebuilt_buckets and self.model.reducer._rebuild_buckets():
+            self.model._has_rebuilt_buckets = True
+
     def close(self) -> None:
-        """Remove the arrival hooks: the model (and DDP's reducer) outlive fit."""
+        """Remove the hooks and give a script's DDP its buffer sync back: the model outlives fit."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._buffer_sync is not None:
+            setattr(self.model, *self._buffer_sync)
 
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's running statistics to every rank (what DDP's broadcast_buffers does each forward)."""
-        if self.ours:
-            for tensor in tensors:
-                _collective(dist.broadcast, tensor, 0)
+    def broadcast_buffers(self) -> None:
+        """Rank 0's buffers (running statistics, counters) to every rank, once a step, what DDP's
+        buffer sync does in every forward: one broadcast per dtype, the buffers flattened into it."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in self._buffers:
+            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for group in groups.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            _collective(dist.broadcast, flat, 0)
+            if self.rank != 0:
+                offset = 0
+                for b in group:
+                    b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
 
 def _collective(op: Any, *args: Any) -> None:
@@ -263,6 +292,8 @@ def _collective(op: Any, *args: Any) -> None:
     says so, not the transport's traceback."""
     try:
         op(*args)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's and nccl's errors
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FitError(

@@ -350,6 +350,27 @@ class _Trainer:
             epoch += 1
 
     def _loop_shared(self, d: Distributed) -> None:
+        """_epochs_shared(), then one closing exchange: a failure said after the last step (an
+        optimizer.step() that failed there) reaches every rank, which raise FitError together."""
+        self._epochs_shared(d)
+        agreed = d.exchange(samples=None, has_next=False, stop=None)
+        if agreed.fatal:
+            raise self._fit_error(d, agreed, closing=True)
+
+    def _next_shared(self, d: Distributed, batches: Any, end: object) -> Any:
+        """The next batch; one the data cannot give (a worker's error) is this rank's failure, said at
+        the exchange, instead of an exception the other ranks would wait on."""
+        from .distributed import Failure
+
+        if d.failure is not None:
+            return end
+        try:
+            return next(batches, end)
+        except Exception as exc:
+            d.failure = Failure(f"{type(exc).__name__} on rank {d.rank} reading the data: {exc}", oom=False, error=exc)
+            return end
+
+    def _epochs_shared(self, d: Distributed) -> None:
         """_loop() as one rank of several: each rank looks one batch ahead, so the exchange of a step
         can say whether every rank has another; when one has not, every rank ends the epoch there."""
         end = object()
@@ -358,7 +379,7 @@ class _Trainer:
             self.epoch = epoch
             d.set_epoch(epoch)
             batches = iter(self.data)
-            batch = next(batches, end)
+            batch = self._next_shared(d, batches, end)
             trained = 0
             while True:
                 here = batch is not end
@@ -367,7 +388,7 @@ class _Trainer:
                 if not self._boundary():
                     return
                 last = self.max_steps is not None and self.steps + 1 >= self.max_steps
-                ahead = end if last or not here else next(batches, end)
+                ahead = end if last or not here else self._next_shared(d, batches, end)
                 more = self._train_shard(batch if here else None, ahead is not end)
                 trained += 1
                 self._publish()
@@ -613,6 +634,7 @@ class _Trainer:
                     raise self._fit_error(d, agreed)
                 assert last is not None
                 done, oom = self._synced_shard(d, agreed, last, attempt)
+                d.rebuild_buckets()
                 if done:
                     return agreed.all_have_next
                 self._drop_step()  # every rank: the step's gradients, draws and running statistics
@@ -734,8 +756,16 @@ class _Trainer:
                 self._drop_step()
                 d.failure = Failure(f"{failed.message} after the synced backward on rank {d.rank}", oom=oom)
                 return False, None  # said at the next exchange, where every rank stops
-            self._complete_buckets(d, [weighted] if weighted is not None else d.prepared or [], failed.message)
-        del loss, last
+            # What the zeros must reach, then the failed graph let go before they are allocated: this
+            # rank has just run out of memory.
+            reached = d.reached([weighted] if weighted is not None else d.prepared or [])
+            loss = weighted = d.prepared = None
+            del last
+            self.probe.free_cache()
+            self._complete_buckets(d, reached, failed.message)
+        else:
+            del last
+        del loss
         d.prepared = None
         failures, fatals, ranks = d.agree_valid()
         if failures:
@@ -765,7 +795,7 @@ class _Trainer:
         local = weighted.detach().float() / scale
         loss_sum = local if loss_sum is None else loss_sum + local
         del weighted
-        d.broadcast(self.buffers.live)
+        d.broadcast_buffers()
         try:
             if scaler is not None:
                 scaler.step(self.optimizer)
@@ -775,18 +805,20 @@ class _Trainer:
             if tracker is not None:
                 tracker.refresh_optimizer()
         except Exception as exc:
-            if not is_oom(exc):
-                raise
+            # Not safe to retry (the parameters may be partly updated) and the others have stepped:
+            # this rank ends the step as they do and says it at the next exchange (or the closing
+            # one), where every rank raises FitError together.
             from .distributed import Failure
 
+            oom = is_oom(exc)
+            why = "out of memory" if oom else f"{type(exc).__name__}"
             message = (
-                f"out of memory inside optimizer.step() on rank {d.rank} at step {self.steps + 1}: "
-                f"not safe to retry, so every rank stops [{drop(exc)}]"
+                f"{why} inside optimizer.step() on rank {d.rank} at step {self.steps + 1}: not safe to retry, "
+                f"so every rank stops [{drop(exc) if oom else exc}]"
             )
-            self.session.emit("oom", phase="optimizer", message=message, recovered=False)
-            d.failure = Failure(message, oom=True)
-            d.exchange(samples=None, has_next=False, stop=None)  # the others' next exchange: they stop too
-            raise FitError(message) from None
+            if oom:
+                self.session.emit("oom", phase="optimizer", message=message, recovered=False)
+            d.failure = Failure(message, oom=oom, error=None if oom else exc)
         self.optimizer.zero_grad(set_to_none=True)
         if tracker is not None:
             tracker.reset()
@@ -798,7 +830,7 @@ class _Trainer:
         self.session.samples += total
         return True, None
 
-    def _complete_buckets(self, d: Distributed, roots: list[torch.Tensor], message: str) -> None:
+    def _complete_buckets(self, d: Distributed, reached: set[int] | None, message: str) -> None:
         """The synced step failed here: finish DDP's reduction with zeros so no rank is left in it
         (the memory budget is lifted meanwhile: those gradients were counted against it already)."""
         tracker = self.tracker
@@ -806,7 +838,7 @@ class _Trainer:
         if tracker is not None:
             tracker.budget = None
         try:
-            d.complete_buckets(roots)
+            d.complete_buckets(reached)
         except Exception as exc:
             raise FitError(
                 f"{message} in the synced backward on rank {d.rank}, step {self.steps + 1}, and completing its "
@@ -816,8 +848,9 @@ class _Trainer:
             if tracker is not None:
                 tracker.budget = budget
 
-    def _fit_error(self, d: Distributed, agreed: Agreed) -> FitError:
-        """The error every rank raises together after a step some rank could not train."""
+    def _fit_error(self, d: Distributed, agreed: Agreed, closing: bool = False) -> FitError:
+        """The error every rank raises together after a step some rank could not train (`closing`: at
+        the exchange after the last step)."""
         if d.failure is not None:
             error = FitError(d.failure.message)
             error.__cause__ = d.failure.error
@@ -825,9 +858,8 @@ class _Trainer:
         if agreed.fatal:
             ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"
             why = "out of memory" if agreed.fatal_oom == agreed.fatal else "an error"
-            return FitError(
-                f"rank {ranks} stopped at step {self.steps + 1} ({why}): every rank stops; that rank's output says why"
-            )
+            when = f"after step {self.steps}" if closing else f"at step {self.steps + 1}"
+            return FitError(f"rank {ranks} stopped {when} ({why}): every rank stops; that rank's output says why")
         return FitError(
             f"a rank's data yielded no batch in epoch {self.epoch + 1} while others had some: each rank needs "
             "at least one (a DistributedSampler gives every rank the same number)"
@@ -1036,8 +1068,9 @@ class _Trainer:
             self._signal = names[signum]
             first.append(time.monotonic())
             # No lock may be taken in a handler (the interrupted code may hold it): write directly.
+            again = f"again after {REPEATED_SIGNAL_S:g} s" if self.dist is not None else "again"
             sys.stderr.write(
-                f"\ngputui: {self._signal}: finishing the current step, then stopping (again to stop at once)\n"
+                f"\ngputui: {self._signal}: finishing the current step, then stopping ({again} to stop at once)\n"
             )
 
         for sig in names:

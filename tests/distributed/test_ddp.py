@@ -61,13 +61,16 @@ if sys.argv[2] == "own-group":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 
 
-def run(name, batches, make_hub=None, calls=(), wrap=False, **kwargs):
+def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.optim.SGD, make_model=make_model,
+        pre_hook=None, **kwargs):
     hub = hubs.Hub()
     hubs.install(hub)
     if make_hub:
         make_hub(hub)
     model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if pre_hook is not None:
+        model.register_forward_pre_hook(pre_hook)
+    optimizer = optimizer(model.parameters(), lr=0.1)
     record = {}
     try:
         fitted = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
@@ -143,16 +146,43 @@ for name in sys.argv[3:]:
     elif name.startswith(("sync-", "wrapped-sync-")):  # rank 1's budget fits its forward at 4, not its synced backward
         run(name, mine, auto_recover=name.endswith("-recover"), wrap=name.startswith("wrapped-"),
             memory_budget=os.environ["SYNC_BUDGET"] if rank == 1 else None)
-    elif name == "step-error":  # step() raises on rank 1 alone, in the third step (see the test)
+    elif name == "step-error":  # step() raises on rank 1 alone, in the second step, before the model
         calls = []
         def failing(model, batch, plain=step):
             calls.append(1)
-            if rank == 1 and len(calls) == 3:
+            if rank == 1 and len(calls) == 2:
                 raise ValueError("bad batch")
             return plain(model, batch)
         plain, step = step, failing
         run(name, mine)
         step = plain
+    elif name.startswith("opt-oom-"):  # rank 1's optimizer.step() runs out of memory in step 1, or the last
+        class Failing(torch.optim.SGD):
+            calls = 0
+            def step(self, closure=None):
+                Failing.calls += 1
+                if rank == 1 and Failing.calls == (1 if name == "opt-oom-1" else 2):
+                    raise torch.OutOfMemoryError("out of memory (optimizer state)")
+                return super().step(closure)
+        run(name, mine, max_steps=2, optimizer=Failing)
+    elif name == "data-error":  # rank 1's data breaks after its first batch
+        def broken():
+            yield mine[0]
+            if rank == 1:
+                raise ValueError("broken shard")
+            yield from mine[1:]
+        run(name, broken())
+    elif name == "wrapped-bn":  # the script's own DDP, buffers synced (default); rank 1's model OOMs in step 2
+        def bn_model():
+            torch.manual_seed(0)
+            nn = torch.nn
+            return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        calls = []
+        def hook(module, args):
+            calls.append(1)
+            if rank == 1 and len(calls) == 2:
+                raise torch.OutOfMemoryError("out of memory (in the model)")
+        run(name, mine, wrap=True, make_model=bn_model, pre_hook=hook)
 """
 
 
@@ -255,21 +285,30 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 def test_a_failing_rank_ends_every_rank(tmp_path):
     """Rank 1 alone runs out of memory even at micro-batch 1 (after halving alone from 4, or from the
-    start), or step() raises there: both ranks raise FitError at the same step, and nothing hangs."""
-    out = launch(tmp_path, "own-group", "oom-None", "oom-1", "step-error", env={"BUDGET": "1KiB"})
-    for name in ("oom-None", "oom-1", "step-error"):
+    start), step() raises there before calling the model (in step 2, whose first forward DDP would
+    rebuild its buckets in: fit has done it already), its optimizer.step() runs out of memory (in
+    step 1, or in the last step, said at the closing exchange), or its data breaks: both ranks
+    raise FitError at the same step, each saying why, and nothing hangs."""
+    scenarios = ("oom-None", "oom-1", "step-error", "opt-oom-1", "opt-oom-last", "data-error")
+    out = launch(tmp_path, "own-group", *scenarios, env={"BUDGET": "1KiB"})
+    for name in scenarios:
         both = records(out, name)
         assert all("error" in r for r in both), (name, both)
-        assert both[0]["steps"] == both[1]["steps"]
-        assert both[0]["error"].startswith("rank 1 stopped at step"), both[0]["error"]
+        assert both[0]["steps"] == both[1]["steps"], name
+        assert both[0]["error"].startswith("rank 1 stopped "), both[0]["error"]
+        assert "lost the other ranks" not in both[1]["error"], both[1]["error"]
     for name in ("oom-None", "oom-1"):
         error = records(out, name)[1]["error"]
         assert error.startswith("rank 1, step 1: out of memory in backward at micro-batch 1: not even one sample fits")
     assert [e[3] for e in records(out, "oom-None")[1]["ooms"]] == [2, 1, None], "halved alone twice, then gave up"
-    # Not in step 2: DDP's first forward after the first synced backward rebuilds its buckets (a
-    # broadcast), so an error raised before step() calls the model there leaves the other rank in it.
-    assert "ValueError on rank 1, step 3: bad batch" in records(out, "step-error")[1]["error"]
-    assert records(out, "step-error")[0]["steps"] == 2
+    assert "ValueError on rank 1, step 2: bad batch" in records(out, "step-error")[1]["error"]
+    assert records(out, "step-error")[0]["steps"] == 1
+    for name, steps, said in (("opt-oom-1", 1, "at step 2"), ("opt-oom-last", 2, "after step 2")):
+        both = records(out, name)
+        assert both[1]["error"].startswith(f"out of memory inside optimizer.step() on rank 1 at step {steps}")
+        assert both[0]["error"].startswith(f"rank 1 stopped {said} (out of memory)"), both[0]["error"]
+    error = records(out, "data-error")[1]["error"]
+    assert error.startswith("ValueError on rank 1 reading the data: broken shard"), error
 
 
 def test_single_process_is_unchanged():
@@ -303,6 +342,7 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
         "sync-recover",
         "wrapped-sync-recover",
         "sync-fatal",
+        "wrapped-bn",
     )
     out = launch(tmp_path, "own-group", *scenarios, env={"LOCAL_BUDGET": "1300B", "SYNC_BUDGET": "1400B"})
     expected = reference(epochs=1)
@@ -319,6 +359,14 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     # its 3 batches whole, and replays the first when rank 1's failure came after DDP's forward.
     assert [r["calls"] for r in records(out, "raise-in-model")] == [3, 6]
     assert [r["calls"] for r in records(out, "raise-in-loss")] == [4, 6]
+
+    # The script's DDP with BatchNorm and its buffer sync on: rank 1 replays step 2 alone; its DDP forward
+    # does not broadcast the buffers a second time (fit broadcasts them once a step, after the backward).
+    bn = records(out, "wrapped-bn")
+    assert [(r["steps"], r.get("error")) for r in bn] == [(3, None), (3, None)]
+    assert bn[1]["ooms"] == [["oom_recovered", 1, "forward", 2]]
+    a, b = weights(out, "wrapped-bn")
+    assert_close(a, b)
 
     fatal = records(out, "sync-fatal")
     assert [r["steps"] for r in fatal] == [0, 0]
