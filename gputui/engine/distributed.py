@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..telemetry.controls import ACTIONS, Control
+from ..telemetry.sample import RankMemory
 from .result import FitError
 
 # The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
@@ -45,6 +46,7 @@ CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
 state on every rank after them)."""
 _FIRST_CONTROL = REQUESTED + 1
 _MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
+_PER_RANK = 5  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity
 _VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
 NOT_YET = "not under torchrun yet: every rank would have to pause together and keep the process group alive"
@@ -155,6 +157,10 @@ class Distributed:
         self._hooks.append(self.model.register_forward_hook(self._forwarded))
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
+        self.ranks: tuple[RankMemory, ...] = ()
+        """Every rank's micro-batch, step peak and capacity, as the last exchange told them."""
+        self._configured: list[int] = []  # every rank's micro_batch setting at the last exchange (0: whole)
+        self._batches: list[int] = []  # every rank's batch at the last exchange
 
     def _forwarded(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and self.model.require_backward_grad_sync:
@@ -173,14 +179,42 @@ class Distributed:
         """Controls this rank drained at its boundary: the next exchange tells every rank."""
         self._outgoing.extend(controls)
 
+    def aligned(self) -> tuple[int, int] | None:
+        """The smallest micro-batch setting among the ranks (and a rank that has it), where some rank
+        set one (an OOM it recovered from alone, a control): every rank runs the same from the next
+        boundary, so a step's micro-batches line up and a control acts on the same value everywhere."""
+        set_ = [(size, r) for r, size in enumerate(self._configured) if size > 0]
+        return min(set_) if set_ else None
+
+    def job_sizes(self) -> tuple[int, int]:
+        """The job's micro-batch and batch at the last exchange: the largest rank's. Halve and double
+        act on these, so every rank decides alike (a rank with a short last batch would not)."""
+        return max(r.micro_batch for r in self.ranks), max(self._batches)
+
     def take_agreed(self) -> list[Control]:
         """The controls the last exchange announced, for every rank to apply at this boundary."""
         agreed, self._agreed = self._agreed, []
         return agreed
 
-    def exchange(self, *, samples: int | None, has_next: bool, stop: str | None) -> Agreed:
-        """The step's one collective before the synced backward; `samples` None: no batch here."""
-        vector = [0] * (_FIRST_CONTROL + len(CONTROL_SLOTS))
+    def exchange(
+        self,
+        *,
+        samples: int | None,
+        has_next: bool,
+        stop: str | None,
+        micro_batch: int | None = None,
+        setting: int | None = None,
+        batch: int | None = None,
+        peak: int | None = None,
+        capacity: int | None = None,
+    ) -> Agreed:
+        """The step's one collective before the synced backward; `samples` None: no batch here. Each
+        rank also says its micro-batch (what it runs, and its setting: None for the whole batch) and its
+        last step's peak and capacity, in slots of its own (the others write zeros there)."""
+        first_rank = _FIRST_CONTROL + len(CONTROL_SLOTS)
+        vector = [0] * (first_rank + _PER_RANK * self.world_size)
+        mine = first_rank + _PER_RANK * self.rank
+        vector[mine : mine + _PER_RANK] = [micro_batch or 0, setting or 0, batch or 0, _known(peak), _known(capacity)]
         vector[HAS_BATCH] = int(samples is not None)
         vector[SAMPLES] = samples or 0
         vector[HAS_NEXT] = int(has_next)
@@ -190,22 +224,29 @@ class Distributed:
             vector[FATAL_RANKS] = 1 << self.rank if self.rank < _MASKED_RANKS else 0
         for slot, reason in _STOPS:
             vector[slot] = int(stop == reason)
-        mine: dict[tuple[str, Any], list[Control]] = {}
+        asked: dict[tuple[str, Any], list[Control]] = {}
         for control in self._outgoing:
             if control.action == "stop":
                 vector[REQUESTED] = 1
             else:
-                mine.setdefault((control.action, control.value), []).append(control)
+                asked.setdefault((control.action, control.value), []).append(control)
         self._outgoing = []
         for i, key in enumerate(CONTROL_SLOTS):
-            vector[_FIRST_CONTROL + i] = len(mine.get(key, ()))
+            vector[_FIRST_CONTROL + i] = len(asked.get(key, ()))
         tensor = torch.tensor(vector, dtype=torch.int64, device=self.device)
         _collective(dist.all_reduce, tensor)
         total = tensor.tolist()
         for i, (action, value) in enumerate(CONTROL_SLOTS):
-            local = mine.get((action, value), [])
+            local = asked.get((action, value), [])
             others = total[_FIRST_CONTROL + i] - len(local)
             self._agreed.extend(local + [Control(action, value, source="another rank") for _ in range(others)])
+        slots = [total[first_rank + _PER_RANK * r : first_rank + _PER_RANK * (r + 1)] for r in range(self.world_size)]
+        self.ranks = tuple(
+            RankMemory(r, micro, None if peak_ < 0 else peak_, None if cap < 0 else cap)
+            for r, (micro, _, _, peak_, cap) in enumerate(slots)
+        )
+        self._configured = [slot[1] for slot in slots]
+        self._batches = [slot[2] for slot in slots]
         return Agreed(
             samples=total[SAMPLES],
             all_have_batch=total[HAS_BATCH] == self.world_size,
@@ -285,6 +326,11 @@ class Distributed:
                 for b in group:
                     b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
                     offset += b.numel()
+
+
+def _known(value: int | None) -> int:
+    """A byte count for the exchange: -1 where unknown (0 is a count)."""
+    return -1 if value is None else int(value)
 
 
 def _collective(op: Any, *args: Any) -> None:

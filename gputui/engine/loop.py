@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES, Control
+from ..telemetry.sample import Memory
 from ..telemetry.setup import MetricsSink, for_process
 from ..units import format_bytes
 from .microbatch import batch_size, shapes, sizes, split, to_device
@@ -259,6 +260,7 @@ class _Trainer:
         self._said_batch_norm = not self.buffers.batch_norms  # said once, or nothing to say
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
+        self._memory: Memory | None = None  # after the last step: its peak goes into the next exchange
         self._handlers: dict[str, Callable[[Control], bool]] = {
             "halve_batch": self._resize,
             "double_batch": self._resize,
@@ -434,6 +436,7 @@ class _Trainer:
         """One rank's boundary: apply what the last exchange announced (every rank the same, so every
         rank the same state), then keep what was requested here for the next exchange. A stop, a
         signal or a control on one rank reaches the others there, one step later."""
+        self._align(d)
         self._apply_all(d.take_agreed())
         if self.stop_reason is not None:  # agreed at the last exchange
             return False
@@ -445,6 +448,19 @@ class _Trainer:
                 outgoing.append(control)
         d.queue(outgoing)
         return True
+
+    def _align(self, d: Distributed) -> None:
+        """Every rank to the smallest micro-batch setting any rank had at the last exchange."""
+        aligned = d.aligned()
+        if aligned is None or aligned[0] == self.micro_batch:
+            return
+        size, rank = aligned
+        current = self._micro_batch()
+        self.micro_batch = size
+        new = self._micro_batch()
+        if new != current:
+            details: dict[str, Any] = {"from": current, "to": new, "accumulation": self._accumulation(new)}
+            self.session.emit("micro_batch_changed", **details, reason=f"aligned with rank {rank}")
 
     def _stopping(self) -> bool:
         signalled = self._signal or self.hub.stop_signal  # the hub's: set where fit is not the main thread
@@ -460,7 +476,9 @@ class _Trainer:
         return self._handlers[control.action](control)
 
     def _resize(self, control: Control) -> bool:
-        current = self._micro_batch()
+        current, batch = self._micro_batch(), self.batch_size
+        if self.dist is not None and self.dist.ranks:  # the job's (the largest rank's): every rank decides alike
+            current, batch = self.dist.job_sizes()
         if control.action == "halve_batch":
             if current <= 1:
                 return self.session.refuse(control, "the micro-batch is already 1")
@@ -468,11 +486,9 @@ class _Trainer:
                 return self.session.refuse(control, BATCH_NORM_FLOOR)
             new = max(current // 2, self.min_micro_batch)
         else:
-            if current >= self.batch_size:
-                return self.session.refuse(
-                    control, f"the micro-batch already equals the global batch ({self.batch_size})"
-                )
-            new = min(current * 2, self.batch_size)
+            if current >= batch:
+                return self.session.refuse(control, f"the micro-batch already equals the global batch ({batch})")
+            new = min(current * 2, batch)
         self.session.emit(
             "micro_batch_changed", control, **{"from": current, "to": new}, accumulation=self._accumulation(new)
         )
@@ -624,8 +640,16 @@ class _Trainer:
                     self._recover_alone(d, outcome, attempt)
                     attempt += 1
                 signalled = self._signal or self.hub.stop_signal
+                memory = self._memory
                 agreed = d.exchange(
-                    samples=self.batch_size if batch is not None else None, has_next=has_next, stop=signalled
+                    samples=self.batch_size if batch is not None else None,
+                    has_next=has_next,
+                    stop=signalled,
+                    micro_batch=self._micro_batch() if batch is not None else None,
+                    setting=self.micro_batch,
+                    batch=self.batch_size if batch is not None else None,
+                    peak=memory.peak if memory is not None else None,
+                    capacity=memory.capacity if memory is not None else None,
                 )
                 if agreed.stop is not None and self.stop_reason is None:
                     self.stop_reason = signalled or agreed.stop
@@ -982,7 +1006,9 @@ class _Trainer:
             accumulation=self.accumulation,
             amp=self.precision.mode,
             checkpointing=self.checkpointing.enabled,
+            ranks=self.dist.ranks if self.dist is not None else (),
         )
+        self._memory = memory
         self._baseline = memory.allocated or 0
         self._watch_thrashing(memory.alloc_retries)
         if self.loss is not None and not math.isfinite(self.loss) and not self._warned_loss:

@@ -27,7 +27,7 @@ from ..telemetry.controls import SUMMARY_NEEDS_CUDA, Control
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, HostReading, Memory, StepSample, check_event
+from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepSample, check_event
 from ..units import parse_size
 from .result import SettingsError
 
@@ -228,6 +228,7 @@ class RunSession:
         amp: str,
         checkpointing: bool,
         loss_source: str | None = None,
+        ranks: tuple[RankMemory, ...] = (),
     ) -> Memory:
         """Publish the step just counted (`steps`, `samples`) with memory after it; returns that memory."""
         now = time.monotonic()
@@ -252,6 +253,7 @@ class RunSession:
                 host=self._host,
                 loss_source=loss_source,
                 steps_per_s=steps_per_s,
+                ranks=ranks,
             )
         )
         return memory

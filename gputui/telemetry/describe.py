@@ -64,7 +64,10 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         f"retried with {e['micro_batch_to']} x {e['accumulation']}"
     ),
     "oom": _oom,
-    "micro_batch_changed": lambda e: f"micro-batch {e['from']} -> {e['to']} (accumulation {e['accumulation']})",
+    "micro_batch_changed": lambda e: (
+        f"micro-batch {e['from']} -> {e['to']} (accumulation {e['accumulation']})"
+        + (f", {e['reason']}" if e.get("reason") else "")
+    ),
     "amp_changed": lambda e: f"AMP {e['from']} -> {e['to']}",
     "checkpointing_changed": lambda e: f"checkpointing {_on(e['enabled'])} ({e['how']})",
     "auto_recover_changed": lambda e: f"auto-recover {_on(e['enabled'])}",

@@ -105,6 +105,25 @@ class GpuProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class RankMemory:
+    """One rank of a torchrun job as the step's exchange told every rank: its micro-batch, and its
+    step peak and capacity (bytes; None where unknown) one step late. The worst rank (peak over
+    capacity) is the one whose OOM comes first."""
+
+    rank: int
+    micro_batch: int
+    peak: int | None = None
+    capacity: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankMemory:
+        return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True, slots=True)
 class GpuDevice:
     """One GPU as NVML reports it. Every field NVML may refuse is None ("n/a" on screen);
     `error` says why the whole device could not be read, if it could not."""
@@ -199,6 +218,7 @@ class StepSample:
     host: HostReading | None = None
     loss_source: str | None = None  # None: fit's step(); else where a script's own loop showed it
     steps_per_s: float | None = None
+    ranks: tuple[RankMemory, ...] = ()  # under torchrun, every rank (in rank order); () for one process
 
     def to_json(self) -> dict[str, Any]:
         m = self.memory
@@ -226,6 +246,7 @@ class StepSample:
             "host": None if self.host is None else self.host.to_json(),
             "loss_source": self.loss_source,
             "steps_per_s": None if self.steps_per_s is None else round(self.steps_per_s, 3),
+            **({"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}),
         }
 
     @classmethod
@@ -237,6 +258,7 @@ class StepSample:
         values["samples"] = data.get("samples", 0)
         values["loss_source"] = data.get("loss_source")
         values["steps_per_s"] = data.get("steps_per_s")
+        values["ranks"] = tuple(RankMemory.from_json(r) for r in data.get("ranks") or ())
         return cls(**values)
 
 

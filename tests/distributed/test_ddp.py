@@ -85,6 +85,7 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
         ooms=[[e.name, e.step, e.details["phase"], e.details.get("micro_batch_to")]
               for e in hub.events() if e.name.startswith("oom")],
         calls=len(calls),
+        ranks=[r.to_json() for r in hub.latest().ranks] if hub.latest() else None,
     )
     torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
     with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
@@ -248,6 +249,12 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
         for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
             assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)
             assert_close(state, expected)
+    # Every rank's sample says every rank's micro-batch (the last step's: 4 and 2 samples) and, one step
+    # late, its peak (no capacity: no memory budget); the same on both.
+    a, b = (r["ranks"] for r in records(out, "equal-None"))
+    assert a == b
+    assert [(r["rank"], r["micro_batch"], r["capacity"]) for r in a] == [(0, 4, None), (1, 2, None)]
+    assert all(r["peak"] > 0 for r in a)
 
     for record in records(out, "uneven-lengths"):
         assert (record["steps"], record["epochs"], record.get("error")) == (4, 2, None)
@@ -255,10 +262,11 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
     assert_close(a, b)
 
     # Asked on rank 0 after step 1 (halve) and step 3 (stop): said at the next step's exchange, applied
-    # by both at the boundary after it. Rank 1's third batch has 2 samples: its micro-batch halves from 2.
+    # by both at the boundary after it. Rank 1's third batch has 2 samples: the halve acts on the job's
+    # micro-batch (the largest rank's, 4), so both go to 2, and neither realigns afterwards.
     both = records(out, "controls")
-    assert [e for e in both[0]["events"] if e[0] == "micro_batch_changed"] == [["micro_batch_changed", 2, 2]]
-    assert [e for e in both[1]["events"] if e[0] == "micro_batch_changed"] == [["micro_batch_changed", 2, 1]]
+    for record in both:
+        assert [e for e in record["events"] if e[0] == "micro_batch_changed"] == [["micro_batch_changed", 2, 2]]
     for record in both:
         assert (record["stopped"], record["steps"]) == ("requested", 4)
     a, b = weights(out, "controls")
@@ -356,9 +364,12 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
         assert both[1]["ooms"] == [["oom_recovered", 0, phase, to]], name
         assert both[0]["ooms"] == [], name
     # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces); rank 0 trains
-    # its 3 batches whole, and replays the first when rank 1's failure came after DDP's forward.
-    assert [r["calls"] for r in records(out, "raise-in-model")] == [3, 6]
-    assert [r["calls"] for r in records(out, "raise-in-loss")] == [4, 6]
+    # its first batch whole (and again when rank 1's failure came after DDP's forward), then aligns
+    # with rank 1 from step 2 on (2 + 2 pieces).
+    assert [r["calls"] for r in records(out, "raise-in-model")] == [5, 6]
+    assert [r["calls"] for r in records(out, "raise-in-loss")] == [6, 6]
+    aligned = [e for e in records(out, "raise-in-model")[0]["events"] if e[0] == "micro_batch_changed"]
+    assert aligned == [["micro_batch_changed", 1, 2]], "rank 0 aligned with rank 1 at the next boundary"
 
     # The script's DDP with BatchNorm and its buffer sync on: rank 1 replays step 2 alone; its DDP forward
     # does not broadcast the buffers a second time (fit broadcasts them once a step, after the backward).
