@@ -146,12 +146,20 @@ def _jobs(options: argparse.Namespace) -> int:
 def _run(options: argparse.Namespace) -> int:
     from .launch import ScriptNotFound, check_script, run_script, survive_hangup
     from .telemetry.hub import Overrides
+    from .telemetry.run import launched_rank
     from .telemetry.setup import opened
 
     try:
         check_script(options.script)
     except ScriptNotFound as exc:
         print(f"gputui: error: {exc}", file=sys.stderr)
+        return 2
+    if not options.headless and launched_rank() is not None:
+        print(
+            "gputui: error: under torchrun every rank would draw its TUI on one terminal; use "
+            "`gputui run --headless` and watch any rank with `gputui attach`",
+            file=sys.stderr,
+        )
         return 2
     if not options.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         print(

@@ -420,8 +420,9 @@ def _warn_sampler(rank: int) -> None:
     _warned_sampler = True
     warnings.warn(
         "gputui.fit under torchrun: data is a DataLoader without a DistributedSampler, so every rank "
-        "trains on the same batches; pass DataLoader(..., sampler=DistributedSampler(dataset))",
-        stacklevel=4,
+        "trains on the same batches; pass DataLoader(..., sampler=DistributedSampler(dataset, "
+        "num_replicas=world_size, rank=rank)) (WORLD_SIZE and RANK from the environment)",
+        stacklevel=5,
     )
 
 

@@ -355,6 +355,7 @@ class _Trainer:
         """_epochs_shared(), then one closing exchange: a failure said after the last step (an
         optimizer.step() that failed there) reaches every rank, which raise FitError together."""
         self._epochs_shared(d)
+        d.set_epoch(self.epochs_done)  # a later fit on the same sampler goes on with the next shuffle
         agreed = d.exchange(samples=None, has_next=False, stop=None)
         if agreed.fatal:
             raise self._fit_error(d, agreed, closing=True)

@@ -11,8 +11,18 @@ import time
 from typing import Any
 
 from .hub import SinkFailed
-from .run import RunInfo, RunSummary
+from .run import RunInfo, RunSummary, launched_rank
 from .sample import VERSION, Event, StepSample
+
+
+def for_rank(path: str) -> str:
+    """Under torchrun every rank writes its own file: rank 0 the path as given, rank N `name.rankN.ext`
+    beside it (one file written by several processes would interleave and tear their lines)."""
+    rank = launched_rank()
+    if not rank:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
 
 
 class MetricsFile:
@@ -22,7 +32,7 @@ class MetricsFile:
     a gap, and training goes on."""
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
-        self.path = os.fspath(path)
+        self.path = for_rank(os.fspath(path))
         try:
             self._file = open(self.path, "ab" if append else "wb", buffering=0)
         except OSError as exc:

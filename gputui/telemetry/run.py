@@ -7,6 +7,7 @@ which controls this run will not take, and why, so no reader keeps its own list.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -26,6 +27,14 @@ def _checked(cls: type, data: Mapping[str, Any], types: Mapping[str, Any]) -> di
             raise ValueError(f"{cls.__name__}.{f.name} is a {type(value).__name__}")
         values[f.name] = value
     return values
+
+
+def launched_rank() -> int | None:
+    """This process's rank when torchrun launched it among several (WORLD_SIZE > 1); None otherwise.
+    Read from the environment: torchrun sets it before any process group exists."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return int(os.environ.get("RANK", "0"))
 
 
 @dataclass(frozen=True)

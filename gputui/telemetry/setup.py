@@ -16,6 +16,7 @@ from typing import TextIO
 from . import hub as hubs
 from .jsonl import MetricsFile
 from .progress import ProgressLine
+from .run import launched_rank
 from .server import serve
 
 
@@ -30,7 +31,7 @@ def opened(
     metrics = MetricsFile(hub.overrides.metrics) if hub.overrides.metrics else None
     if metrics is not None:
         hub.add_sink(metrics)
-    if progress is not None:
+    if progress is not None and not launched_rank():  # under torchrun, one progress line: rank 0's
         hub.add_sink(ProgressLine(progress))
     hubs.install(hub)
     server = serve(hub) if attachable else None
@@ -52,8 +53,6 @@ def for_process(progress: TextIO | None) -> hubs.Hub:
     if current is not None:
         return current
     stack = contextlib.ExitStack()
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, one progress line: rank 0's
-        progress = None
     hub = stack.enter_context(opened(progress=progress))
     atexit.register(stack.close)
     return hub

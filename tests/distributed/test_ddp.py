@@ -383,3 +383,16 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     assert [r["steps"] for r in fatal] == [0, 0]
     assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
     assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
+
+
+def test_the_tui_is_refused_under_torchrun(tmp_path):
+    """Every rank would draw its own screen on one terminal: `gputui run` says to use --headless."""
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gputui", "run", str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("gputui: error: under torchrun every rank would draw its TUI"), done.stderr
+    assert "trained" not in done.stdout

@@ -153,3 +153,21 @@ def test_a_broken_stdout_stops_the_progress_line_once(hub, capsys):
     assert result.steps == 3 and out.tries == 3  # the failed write was the last one tried
     assert capsys.readouterr().err == "gputui: progress line: Broken pipe; no more progress will be written\n"
     assert [e["sink"] for e in failures(hub)] == ["progress"]
+
+
+def test_under_torchrun_each_rank_writes_its_own_metrics_file_and_rank_0_alone_draws_progress(tmp_path, monkeypatch):
+    """torchrun's ranks share a command line (`--metrics m.jsonl`) and a terminal: one file would tear
+    its lines, two progress lines would interleave."""
+    from gputui.telemetry.hub import Overrides
+    from gputui.telemetry.run import RunInfo
+    from gputui.telemetry.setup import opened
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, name in (("0", "m.jsonl"), ("1", "m.rank1.jsonl")):
+        monkeypatch.setenv("RANK", rank)
+        out = io.StringIO()
+        with opened(Overrides(metrics=str(tmp_path / "m.jsonl")), progress=out, attachable=False) as hub:
+            hub.start(RunInfo(model="Net", rank=int(rank), world_size=2))
+        assert json.loads((tmp_path / name).read_text().splitlines()[0])["rank"] == int(rank)
+        assert ("gputui: training Net" in out.getvalue()) == (rank == "0"), out.getvalue()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl", "m.rank1.jsonl"]
