@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..telemetry.controls import SNAPSHOT_NEEDS_CUDA
+from ..telemetry.run import launched_rank
 
 _recording = False
 
@@ -36,9 +37,9 @@ def start_history() -> None:
 def dump(folder: str, device: torch.device, *, step: int, reason: str) -> dict[str, Any]:
     """Write the snapshot and the summary under `folder`; returns the paths for the event."""
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.join(
-        os.path.abspath(folder), f"snapshot-{os.getpid()}-step{step}-{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    rank = launched_rank()  # under torchrun every rank writes its own, into one folder
+    who = f"{os.getpid()}" if rank is None else f"rank{rank}-{os.getpid()}"
+    stem = os.path.join(os.path.abspath(folder), f"snapshot-{who}-step{step}-{reason}-{time.strftime('%Y%m%d-%H%M%S')}")
     pickle_path, text_path = stem + ".pickle", stem + ".txt"
     torch.cuda.memory._dump_snapshot(pickle_path + ".tmp")
     os.replace(pickle_path + ".tmp", pickle_path)

@@ -171,3 +171,18 @@ def test_under_torchrun_each_rank_writes_its_own_metrics_file_and_rank_0_alone_d
         assert json.loads((tmp_path / name).read_text().splitlines()[0])["rank"] == int(rank)
         assert ("gputui: training Net" in out.getvalue()) == (rank == "0"), out.getvalue()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl", "m.rank1.jsonl"]
+
+
+def test_under_torchrun_each_rank_names_its_snapshots(tmp_path, monkeypatch):
+    """Every rank may dump into the one --snapshot-dir: the file says whose it is."""
+    from gputui.probes import snapshot
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: open(path, "wb").close())
+    monkeypatch.setattr(torch.cuda, "memory_summary", lambda device: "summary")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    paths = snapshot.dump(str(tmp_path), torch.device("cuda", 1), step=3, reason="oom")
+    assert os.path.basename(paths["path"]).startswith(f"snapshot-rank1-{os.getpid()}-step3-oom-")
+    monkeypatch.delenv("WORLD_SIZE")
+    paths = snapshot.dump(str(tmp_path), torch.device("cuda", 0), step=3, reason="oom")
+    assert os.path.basename(paths["path"]).startswith(f"snapshot-{os.getpid()}-step3-oom-")
