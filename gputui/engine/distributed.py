@@ -49,6 +49,13 @@ _MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits o
 _PER_RANK = 5  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity
 _VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
+UNUSED = (
+    "some parameters got no gradient in this step, so DDP could not finish its reduction, and fit wrapped "
+    "the model without find_unused_parameters: wrap it yourself before fit, "
+    "DistributedDataParallel(model, find_unused_parameters=True)"
+)
+"""Why a model fit wrapped cannot train when a step leaves some parameters out."""
+
 NOT_YET = "not under torchrun yet: every rank would have to pause together and keep the process group alive"
 """Why pause and resume are refused under torchrun in this version."""
 
@@ -289,7 +296,8 @@ class Distributed:
         """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
         if self.ours:
-            assert self._verdicts is not None, "DDP's last bucket was not all-reduced"
+            if self._verdicts is None:  # the bucket of a parameter that got no gradient never went out
+                raise FitError(f"rank {self.rank}: {UNUSED}")
             failures, fatals, ranks = (round(x) for x in self._verdicts.tolist())
         else:
             tensor = torch.tensor(self._verdict, dtype=torch.int64, device=self.device)

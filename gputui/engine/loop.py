@@ -716,6 +716,10 @@ class _Trainer:
                     self.session.snapshot("oom")
                 return OomInfo(phase, drop(exc), size, self._baseline)
             message = str(exc)
+            if d.ours and "find_unused_parameters" in message:  # DDP's advice names a constructor fit called
+                from .distributed import UNUSED
+
+                message = f"{UNUSED} [{message.splitlines()[0]}]"
             if not isinstance(exc, FitError):
                 message = f"{type(exc).__name__} on rank {d.rank}, step {self.steps + 1}: {message}"
             d.failure = Failure(message, oom=False, error=exc)

@@ -129,6 +129,16 @@ for name in sys.argv[3:]:
                         os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
 
         run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name == "unused":  # a parameter the forward uses in step 1 only, in a model fit wraps
+        class Branchy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body, self.spare, self.calls = make_model(), torch.nn.Linear(1, 1), 0
+
+            def forward(self, x):
+                self.calls += 1
+                return self.spare(self.body(x)) if self.calls == 1 else self.body(x)
+        run(name, mine, make_model=Branchy)
     elif name == "vanish":  # rank 1's process ends after its step 3 (exit status 0: torchrun waits for rank 0)
         from gputui.telemetry.hub import Sink
 
@@ -277,8 +287,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGTERM (a scheduler's) or SIGINT (a Ctrl-C) reaching rank 1 alone, after its step 3: said at
     step 4's exchange, so both ranks finish step 4 and stop there, with the same weights. A Ctrl-C
     reaches a rank twice under torchrun (the terminal's, then torchrun's): still one graceful stop.
-    A rank whose process ends mid-run leaves the other with a FitError that says so."""
-    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "vanish")
+    A rank whose process ends mid-run leaves the other with a FitError that says so (it goes last:
+    rank 1 is gone after it)."""
+    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "unused", "vanish")
     stops = (("signal-TERM", "terminated"), ("signal-INT", "interrupted"), ("signal-INT-twice", "interrupted"))
     for name, reason in stops:
         for record in records(out, name):
@@ -289,6 +300,12 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     survivor = json.loads((out / "vanish.0.json").read_text())
     assert survivor["error"].startswith("rank 0 lost the other ranks"), survivor
     assert not (out / "vanish.1.json").exists()
+    # DDP's own advice names a constructor the user never called: the error says what to do instead.
+    for record in records(out, "unused"):
+        assert (
+            "wrap it yourself before fit, DistributedDataParallel(model, find_unused_parameters=True)"
+            in (record["error"])
+        ), record
 
 
 def test_a_failing_rank_ends_every_rank(tmp_path):
