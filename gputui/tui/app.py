@@ -40,7 +40,18 @@ from .screens import (
 )
 from .sources import Source
 from .view import RunView
-from .widgets import GpuLine, HeaderBar, KeysFooter, LogPanel, LossPanel, MemoryPanel, Panel, RemediesBar, Timeline
+from .widgets import (
+    GpuLine,
+    HeaderBar,
+    KeysFooter,
+    LogPanel,
+    LossPanel,
+    MemoryPanel,
+    Panel,
+    RanksPanel,
+    RemediesBar,
+    Timeline,
+)
 
 Runner = Callable[[io.StringIO], int]
 """Runs the training script (writing any failure report to the stream); returns its exit code."""
@@ -89,6 +100,7 @@ class MainScreen(Screen[None]):
         with Horizontal(id="panels"):
             yield MemoryPanel(self.view, id="memory")
             yield LossPanel(self.view, id="loss")
+        yield RanksPanel(self.view, id="ranks")
         yield RemediesBar(self.view, self.source.watch_only, id="remedies")
         with Horizontal(id="bottom"):
             yield Timeline(self.view, id="timeline")
@@ -107,12 +119,16 @@ class MainScreen(Screen[None]):
             log.display = self.view.observed
         for line in self.query("#gpus"):
             line.display = self.view.gpus is not None
+        for ranks in self.query("#ranks"):  # a torchrun job's: one process has no ranks to show
+            ranks.display = bool(self.view.job_ranks)
         for panel in self.query(Panel):
             panel.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.height < 30, "-short")
         self.set_class(event.size.height >= 45, "-tall")
+        for ranks in self.query(RanksPanel):  # how many ranks it has lines for follows the height
+            ranks.redraw()
 
     def on_key(self, event: events.Key) -> None:
         """A dimmed key does nothing, but says why."""

@@ -17,7 +17,7 @@ from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
 from ..telemetry.describe import describe
 from ..telemetry.history import RunSeries
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, GpuReading, StepSample
+from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
 from .keys import BY_ACTION
 from .sources import Update
 
@@ -40,6 +40,29 @@ class Entry:
     step: int
     text: str
     kind: str  # requested, applied, refused, oom, error, info
+
+
+def share(rank: RankMemory) -> float | None:
+    """The rank's step peak over its capacity; None where either is unknown."""
+    return rank.peak / rank.capacity if rank.peak is not None and rank.capacity else None
+
+
+def severity(rank: RankMemory) -> tuple[float, int]:
+    """How close a rank is to its OOM: peak over capacity, or the peak alone where capacities are unknown."""
+    known = share(rank)
+    return (-1.0 if known is None else known), rank.peak or 0
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """What the ranks panel shows of a torchrun job: the ranks it has lines for, in rank order, and the
+    ones it leaves out (many ranks: the worst few and this one are shown). Hashable: the panel's key."""
+
+    shown: tuple[RankMemory, ...]
+    worst: int | None  # the rank closest to its OOM; None before any peak is known
+    this: int | None  # the rank this screen is attached to
+    hidden: int = 0
+    hidden_worst: RankMemory | None = None  # the worst of those left out: how close the rest come
 
 
 @dataclass
@@ -182,6 +205,30 @@ class RunView:
     def rank(self) -> tuple[int, int] | None:
         """(rank, world size) of one rank of a torchrun job, whose every rank is its own run; None for one process."""
         return (self.info.rank, self.info.world_size) if self.info and self.info.world_size > 1 else None
+
+    @property
+    def job_ranks(self) -> tuple[RankMemory, ...]:
+        """Every rank of a torchrun job as the latest step's exchange gave them (a step late); () for one process."""
+        return self.latest.ranks if self.latest else ()
+
+    def ranks(self, lines: int) -> Ranks | None:
+        """The job's ranks in at most `lines` lines (at least 3): all of them when they fit, else the worst
+        ones and this rank, with a line left to say how many are not shown. None for one process."""
+        ranks = self.job_ranks
+        if not ranks:
+            return None
+        order = sorted(ranks, key=severity, reverse=True)
+        worst = order[0].rank if order[0].peak is not None else None
+        this = self.rank[0] if self.rank else None
+        if len(ranks) <= lines:
+            return Ranks(tuple(ranks), worst, this)
+        keep = order[: max(2, lines - 1)]
+        if this is not None and all(r.rank != this for r in keep):
+            keep[-1:] = [r for r in ranks if r.rank == this]
+        kept = {r.rank for r in keep}
+        left = [r for r in order if r.rank not in kept]
+        shown = tuple(sorted(keep, key=lambda r: r.rank))
+        return Ranks(shown, worst, this, len(left), left[0] if left else None)
 
     @property
     def observed(self) -> bool:

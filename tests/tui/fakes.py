@@ -7,7 +7,16 @@ from dataclasses import replace
 
 from gputui.telemetry.controls import SNAPSHOT_NEEDS_CUDA, SUMMARY_NEEDS_CUDA
 from gputui.telemetry.run import RunInfo
-from gputui.telemetry.sample import Event, GpuDevice, GpuProcess, GpuReading, HostReading, Memory, StepSample
+from gputui.telemetry.sample import (
+    Event,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    HostReading,
+    Memory,
+    RankMemory,
+    StepSample,
+)
 from gputui.tui.sources import Update
 
 GiB, MiB = 2**30, 2**20
@@ -25,7 +34,14 @@ class FrozenClock:
         return 1000.0 if self.calls == 1 else 1754.0
 
 
-def cuda_sample(step: int) -> StepSample:
+def rank_memories(count: int, peak: int, capacity: int | None, micro_batch: int) -> tuple[RankMemory, ...]:
+    """`count` ranks of a torchrun job as the step's exchange gives them: rank 0 at `peak`, the others a
+    whole GiB apart in a scrambled order (of 64, rank 19 is the worst, 63 GiB above rank 0)."""
+    return tuple(RankMemory(r, micro_batch, peak + (r * 37 % count) * GiB, capacity) for r in range(count))
+
+
+def cuda_sample(step: int, ranks: int = 0) -> StepSample:
+    """One step of a GPT on an H100; `ranks`: the size of the torchrun job it is a rank of (0: one process)."""
     wobble = math.sin(step * 1.7)
     memory = Memory(
         device="cuda:0",
@@ -56,6 +72,7 @@ def cuda_sample(step: int) -> StepSample:
         memory=memory,
         samples=step * 64,
         host=HostReading(rss=int(3.1 * GiB), cpu_percent=104.0, system_used=41 * GiB, system_total=251 * GiB),
+        ranks=rank_memories(ranks, memory.peak, memory.capacity, 32 if step > 120 else 64) if ranks else (),
     )
 
 
@@ -173,10 +190,11 @@ class FakeSource:
         return len(self.sent) + 100
 
 
-def cuda_run(steps: int = 300, **extra) -> FakeSource:
-    """A GPT on an H100; `extra`: fields of its info (a rank of a torchrun job: rank, world_size, job)."""
+def cuda_run(steps: int = 300, ranks: int = 0, **extra) -> FakeSource:
+    """A GPT on an H100; `extra`: fields of its info (a rank of a torchrun job: rank, world_size, job);
+    `ranks`: every rank's memory in the samples, as fit under torchrun sends it."""
     return FakeSource(
-        [cuda_sample(s) for s in range(1, steps + 1)],
+        [cuda_sample(s, ranks) for s in range(1, steps + 1)],
         cuda_events(),
         info("cuda:0", "NVIDIA H100 80GB HBM3", **extra),
         GPUS,

@@ -10,7 +10,7 @@ from conftest import text, until
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
@@ -24,17 +24,16 @@ def job(tmp_path, monkeypatch, request):
     hub = Hub()
     server = TelemetryServer(hub).start()
     stop = threading.Event()
-    hub.start(
-        RunInfo(
-            device="cpu",
-            device_name="CPU",
-            argv=("/home/ada/train.py", "--lr", "3"),
-            pid=4242,
-            total_steps=10_000,
-            auto_recover=True,
-            **getattr(request, "param", {}),
-        )
+    info = RunInfo(
+        device="cpu",
+        device_name="CPU",
+        argv=("/home/ada/train.py", "--lr", "3"),
+        pid=4242,
+        total_steps=10_000,
+        auto_recover=True,
+        **getattr(request, "param", {}),
     )
+    hub.start(info)
 
     def train():
         step, micro = 0, 64
@@ -69,6 +68,10 @@ def job(tmp_path, monkeypatch, request):
                     checkpointing=False,
                     samples_per_s=3200.0,
                     memory=Memory("cpu", allocated=1000, peak=2000),
+                    # under torchrun, every rank's as the exchange gave them: rank 1 the worst
+                    ranks=tuple(RankMemory(r, micro, (2 + 3 * r) * 2**20, 8 * 2**20) for r in range(info.world_size))
+                    if info.world_size > 1
+                    else (),
                 )
             )
             time.sleep(0.02)
@@ -98,6 +101,7 @@ async def test_watch_only_attach_shows_the_job_and_dims_the_remedies(job):
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: app.view.latest is not None and app.view.latest.step > 3)
         assert "train.py · pid 4242" in text(app, "#header")
+        assert not app.main.query_one("#ranks").display  # one process: no ranks
         assert app.check_action("halve_batch", ()) is None
         await pilot.press("b")
         await pilot.pause(0.2)
@@ -130,4 +134,10 @@ async def test_an_attached_rank_says_which_it_is(job):
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.view.latest is not None)
         assert "train.py · pid 4242 │ rank 1 of 2 │ training" in text(app, "#header"), text(app, "#header")
+        await until(pilot, lambda: app.main.query_one("#ranks").display)
+        lines = text(app, "#ranks").splitlines()  # every rank's memory, read from the job's JSON
+        assert lines[0].startswith("rank 0  ") and "2.00M / 8.00M  25%  mb 64" in lines[0]
+        assert lines[1].startswith("rank 1  ") and lines[1].rstrip().endswith(
+            "5.00M / 8.00M  62%  mb 64  ◀ worst · this"
+        )
     mirror.stop()

@@ -6,10 +6,13 @@ import io
 
 import pytest
 from conftest import until
-from fakes import FrozenClock, cpu_run, cuda_run, own_loop_run
+from fakes import FrozenClock, MiB, cpu_run, cuda_run, cuda_sample, own_loop_run
 from rich.console import Console
 
+from gputui.telemetry.sample import RankMemory
 from gputui.tui.app import GputuiApp
+from gputui.tui.view import Ranks
+from gputui.tui.widgets import rank_lines
 
 SIZES = [(80, 24), (120, 40), (160, 48)]
 
@@ -34,15 +37,17 @@ async def shown(source, size, remote=False):
         await until(pilot, lambda: app.view.samples_seen > 0)
         await until(pilot, lambda: "quit" in drawn(app)[-1])  # under load the footer is drawn a moment later
         await pilot.pause(0.1)
-        return {key: region(app, f"#{key}") for key in ("header", "memory", "loss", "remedies")} | {
-            "footer": drawn(app)[-1]
+        keys = ("header", "memory", "loss", "remedies") + (("ranks",) if app.view.job_ranks else ())
+        return {key: region(app, f"#{key}") for key in keys} | {
+            "footer": drawn(app)[-1],
+            "screen": "\n".join(drawn(app)),
         }
 
 
 def assert_whole(screen):
     """No panel cut a line short (Rich's ellipsis), and the footer keeps help and quit."""
-    for key in ("memory", "loss", "remedies"):
-        assert "…" not in screen[key], screen[key]
+    for key in ("memory", "loss", "remedies", "ranks"):
+        assert "…" not in screen.get(key, ""), screen[key]
     assert "? help" in screen["footer"] and "q quit" in screen["footer"], screen["footer"]
 
 
@@ -101,6 +106,48 @@ async def test_a_torchrun_rank_says_which_it_is(size, remote):
     assert ("ddp.py · pid 4242" if remote else "train.py") in header, header
     if size[0] == 160 or (size[0] == 120 and not remote):  # beside the device where the line has room for it
         assert "│ H100 80GB HBM3 │ rank 1 of 2 │" in header, header
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_every_rank_of_a_small_job_on_one_line_each(size):
+    screen = await shown(cuda_run(ranks=2, rank=0, world_size=2), size)
+    assert_whole(screen)
+    lines = screen["ranks"].splitlines()
+    assert "ranks · 2 in the job, as of the last step" in lines[0]
+    assert len(lines) == 4  # a line a rank in its border: the charts keep the rest
+    this, worst = lines[1], lines[2]
+    long = size[0] >= 120
+    assert "rank 0" in this and ("14.3 GiB / 80.0 GiB  18%" if long else "14.3G / 80.0G  18%") in this, this
+    assert this.rstrip(" │").endswith("this") and "worst" not in this
+    assert "rank 1" in worst and "19%" in worst and worst.rstrip(" │").endswith("◀ worst")
+    assert ("micro-batch 32" if long else "mb 32") in worst
+    assert "ranks ·" not in (await shown(cuda_run(), size))["screen"]  # one process: no panel at all
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_many_ranks_the_worst_few_and_this_one(size):
+    screen = await shown(cuda_run(ranks=64, rank=3, world_size=64), size, remote=True)
+    assert_whole(screen)
+    lines = screen["ranks"].splitlines()[1:-1]
+    shown_ranks = [int(line.split()[2]) for line in lines[:-1]]
+    assert 3 in shown_ranks and 19 in shown_ranks  # this one, and the worst (77.3 GiB of 80)
+    assert len(lines) == {24: 3, 40: 5, 48: 9}[size[1]]  # as many lines as the height spares
+    assert shown_ranks == sorted(shown_ranks)
+    worst = lines[shown_ranks.index(19)]
+    assert "97%" in worst and "◀ worst" in worst and "this" in lines[shown_ranks.index(3)]
+    left = sorted((r for r in cuda_sample(300, 64).ranks if r.rank not in shown_ranks), key=lambda r: -r.peak)
+    note = f"+ {len(left)} more ranks not shown, none above {left[0].peak / left[0].capacity:.0%} of capacity"
+    assert lines[-1].strip(" │") == note
+
+
+def test_rank_lines_without_capacities_are_bars_of_the_highest_peak():
+    ranks = Ranks((RankMemory(0, 8, 2 * MiB), RankMemory(1, 4, 4 * MiB), RankMemory(2, 8)), worst=1, this=2)
+    lines = [line.plain for line in rank_lines(ranks, 60)]
+    assert {len(line) for line in lines} == {60}  # aligned columns, the width filled
+    bars = [line.count("█") for line in lines]
+    assert bars[1] // 2 <= bars[0] <= (bars[1] + 1) // 2 and bars[2] == 0 and "░" not in lines[1]  # half, full
+    assert "peak 2.00M" in lines[0] and "peak 4.00M" in lines[1] and "peak –" in lines[2]
+    assert lines[1].rstrip().endswith("mb 4  ◀ worst") and lines[2].rstrip().endswith("this")
 
 
 async def test_the_footer_drops_the_remedy_keys_first():

@@ -4,7 +4,7 @@ import pytest
 
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
 from gputui.tui.keys import KEYS
 from gputui.tui.sources import Update
 from gputui.tui.view import RunView
@@ -20,7 +20,7 @@ class Clock:
         return self.now
 
 
-def sample(step: int, *, loss: float | None = 1.0, micro: int = 8, batch: int = 8, rate: float | None = 80.0):
+def sample(step: int, *, loss: float | None = 1.0, micro: int = 8, batch: int = 8, rate: float | None = 80.0, ranks=()):
     return StepSample(
         t=1000.0 + step,
         step=step,
@@ -33,6 +33,7 @@ def sample(step: int, *, loss: float | None = 1.0, micro: int = 8, batch: int = 
         checkpointing=False,
         samples_per_s=rate,
         memory=Memory("cpu", allocated=1000 * step, peak=2000 * step),
+        ranks=tuple(ranks),
     )
 
 
@@ -192,3 +193,55 @@ def test_new_samples_and_lines_move_the_counters_panels_compare():
     assert (v.generation, v.samples_seen, v.entries) == before
     v.apply(update(sample(2), events=[Event("paused", 2, {})], info=v.info))
     assert (v.generation, v.samples_seen, v.entries) == (before[0], before[1] + 1, before[2] + 1)
+
+
+RANK = RunInfo(rank=1, world_size=4, job="run7@node0:29500")
+
+
+def ranks(*peaks, capacity=1000, micro=8):
+    return [RankMemory(r, micro, peak, capacity) for r, peak in enumerate(peaks)]
+
+
+def test_one_process_has_no_ranks_to_show():
+    v = view(None, sample(1))
+    assert v.job_ranks == () and v.ranks(5) is None
+    assert RunView().ranks(5) is None  # before the first step
+
+
+def test_every_rank_when_they_fit_the_worst_by_share_of_capacity():
+    job = [RankMemory(0, 8, 500, 1000), RankMemory(1, 8, 700, 2000), RankMemory(2, 4, 600, 1000), RankMemory(3, 8)]
+    v = view(RANK, sample(1, ranks=job))
+    shown = v.ranks(5)
+    assert shown.shown == tuple(job)  # rank order, the one without a peak yet included
+    assert shown.worst == 2 and shown.this == 1  # 60%: the highest share, not the highest peak (rank 1's 35%)
+    assert shown.hidden == 0 and shown.hidden_worst is None
+    assert v.ranks(4) == shown  # exactly as many lines as ranks: no line for a note
+
+
+def test_without_capacities_the_worst_is_the_highest_peak():
+    v = view(RANK, sample(1, ranks=ranks(500, 300, 900, 100, capacity=None)))
+    assert v.ranks(5).worst == 2
+    first = view(RANK, sample(1, ranks=[RankMemory(r, 8) for r in range(4)]))  # the exchange is a step late
+    assert first.ranks(5).worst is None and len(first.ranks(5).shown) == 4
+
+
+def test_many_ranks_the_worst_few_and_this_one_and_how_many_are_left_out():
+    peaks = [100 + (r * 37 % 64) * 10 for r in range(64)]  # rank 19 the worst (730), then 38 (720), 57, 12...
+    v = view(RANK, sample(1, ranks=ranks(*peaks)))
+    shown = v.ranks(5)  # four ranks and a line that says how many are not
+    assert [r.rank for r in shown.shown] == [1, 19, 38, 57]  # the three worst and this one, in rank order
+    assert shown.worst == 19 and shown.this == 1
+    assert shown.hidden == 60 and shown.hidden_worst.rank == 12 and shown.hidden_worst.peak == 700
+    this_is_worst = view(RunInfo(rank=19, world_size=64), sample(1, ranks=ranks(*peaks)))
+    assert [r.rank for r in this_is_worst.ranks(3).shown] == [19, 38]  # already among the worst: no place taken
+    assert this_is_worst.ranks(3).hidden == 62
+
+
+def test_the_ranks_key_changes_only_with_what_is_shown():
+    """The panel's shows() key: equal for equal ranks, hashable, different when a rank moves."""
+    v = view(RANK, sample(1, ranks=ranks(500, 600)))
+    before = v.ranks(5)
+    v.apply(update(sample(2, ranks=ranks(500, 600)), info=v.info))
+    assert v.ranks(5) == before and hash(v.ranks(5)) == hash(before)
+    v.apply(update(sample(3, ranks=ranks(500, 610)), info=v.info))
+    assert v.ranks(5) != before
