@@ -11,11 +11,14 @@ per character first, which keeps each character in its cell.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +83,44 @@ async def help_scene(app, pilot, hub) -> None:
     await pilot.press("question_mark")
 
 
+async def shoot_torchrun(name: str, size: tuple[int, int]) -> Path:
+    """demos/mlp.py on two ranks under torchrun (headless, each rank its socket), and the screen
+    `gputui attach` shows for rank 0: the Ranks panel with both."""
+    from gputui.telemetry.client import Mirror
+    from gputui.tui.remote import RemoteSource
+
+    runtime = tempfile.mkdtemp()
+    env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    demo = [str(ROOT / "demos" / "mlp.py"), "--steps", "100000", "--memory-budget", "10MiB"]
+    job = subprocess.Popen([*command, *demo], env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        rank0 = None
+        deadline = time.monotonic() + 120
+        while rank0 is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the torchrun job never served its sockets")
+            time.sleep(0.5)
+            listing = subprocess.run(
+                [sys.executable, "-m", "gputui", "jobs", "--json"], env=env, capture_output=True, text=True
+            )
+            rows = json.loads(listing.stdout or "[]")
+            rank0 = next((r for r in rows if r.get("rank") == 0 and r.get("world_size") == 2), None)
+        mirror = Mirror(rank0["socket"], rank0["pid"], control=False).start()
+        app = GputuiApp(RemoteSource(mirror, control=False), script="", refresh=8)
+        app.view.remote = True
+        async with app.run_test(size=size) as pilot:
+            await wait(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 300)
+            await pilot.pause(0.3)
+            app.save_screenshot(f"{name}.svg", str(HERE))
+        mirror.stop()
+    finally:
+        os.killpg(job.pid, signal.SIGINT)  # a Ctrl-C: every rank stops after the same step
+        job.wait(60)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return HERE / f"{name}.svg"
+
+
 def per_character(svg: str) -> str:
     """Split each <text> run into one <text> per character, each at its cell's x."""
 
@@ -125,6 +166,9 @@ async def take_all() -> None:
         svg = await shoot(name, demo, args, size, scene)
         to_png(svg)
         print(f"wrote {svg.relative_to(ROOT)}")
+    svg = await shoot_torchrun("torchrun-attach", (120, 40))
+    to_png(svg)
+    print(f"wrote {svg.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
