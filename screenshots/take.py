@@ -93,7 +93,8 @@ async def shoot_torchrun(name: str, size: tuple[int, int]) -> Path:
     env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     demo = [str(ROOT / "demos" / "mlp.py"), "--steps", "100000", "--memory-budget", "10MiB"]
-    job = subprocess.Popen([*command, *demo], env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # torchrun reports the Ctrl-C at length
+    job = subprocess.Popen([*command, *demo], env=env, start_new_session=True, **quiet)
     try:
         rank0 = None
         deadline = time.monotonic() + 120
