@@ -35,7 +35,7 @@ from .result import FitError
 # The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
 HAS_BATCH, SAMPLES, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
 _STOPS = ((TERMINATED, "terminated"), (INTERRUPTED, "interrupted"), (REQUESTED, "requested"))
-_NOT_EXCHANGED = frozenset({"stop", "pause", "resume"})
+_NOT_EXCHANGED = frozenset({"stop"})  # a slot of its own (REQUESTED)
 CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
     (action, value)
     for action, values in ACTIONS.items()
@@ -56,8 +56,6 @@ UNUSED = (
 )
 """Why a model fit wrapped cannot train when a step leaves some parameters out."""
 
-NOT_YET = "not under torchrun yet: every rank would have to pause together and keep the process group alive"
-"""Why pause and resume are refused under torchrun in this version."""
 
 _warned_sampler = False
 

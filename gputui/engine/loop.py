@@ -36,6 +36,9 @@ from .session import RunSession
 if TYPE_CHECKING:
     from .distributed import Agreed, Distributed
 
+HEARTBEAT_S = 1.0
+"""Under torchrun, while paused, the ranks exchange this often (far within any process group's timeout)."""
+
 REPEATED_SIGNAL_S = 2.0
 """Under torchrun a Ctrl-C reaches a rank twice (from the terminal, then passed on by torchrun): a
 second signal this soon after the first is that one, not a request to stop at once."""
@@ -439,8 +442,20 @@ class _Trainer:
         signal or a control on one rank reaches the others there, one step later."""
         self._align(d)
         self._apply_all(d.take_agreed())
+        while self.session.paused and self.stop_reason is None:
+            # Every rank paused at this boundary together: a heartbeat exchange a second keeps the
+            # process group within its timeout and brings a resume, a stop or a control from any rank.
+            self.hub.controls.wait(HEARTBEAT_S)
+            self._queue_asked(d)
+            self._exchange(d, here=True, has_next=True)
+            self._apply_all(d.take_agreed())
         if self.stop_reason is not None:  # agreed at the last exchange
             return False
+        self._queue_asked(d)
+        return True
+
+    def _queue_asked(self, d: Distributed) -> None:
+        """Controls asked of this rank: for the next exchange (what this run refuses, answered now)."""
         outgoing = []
         for control in self.hub.controls.drain():
             if control.action in self.session.refused:
@@ -448,7 +463,25 @@ class _Trainer:
             else:
                 outgoing.append(control)
         d.queue(outgoing)
-        return True
+
+    def _exchange(self, d: Distributed, *, here: bool, has_next: bool) -> Agreed:
+        """The exchange with what this rank says: its batch (`here`), a signal, its micro-batch and
+        batch, its last step's peak and capacity. A stop agreed there is this rank's from now on."""
+        signalled = self._signal or self.hub.stop_signal
+        memory = self._memory
+        agreed = d.exchange(
+            samples=self.batch_size if here else None,
+            has_next=has_next,
+            stop=signalled,
+            micro_batch=self._micro_batch() if here else None,
+            setting=self.micro_batch,
+            batch=self.batch_size if here else None,
+            peak=memory.peak if memory is not None else None,
+            capacity=memory.capacity if memory is not None else None,
+        )
+        if agreed.stop is not None and self.stop_reason is None:
+            self.stop_reason = signalled or agreed.stop
+        return agreed
 
     def _align(self, d: Distributed) -> None:
         """Every rank to the smallest micro-batch setting any rank had at the last exchange."""
@@ -640,20 +673,7 @@ class _Trainer:
                     self._drop_step()  # this rank's no_sync gradients, draws and running statistics
                     self._recover_alone(d, outcome, attempt)
                     attempt += 1
-                signalled = self._signal or self.hub.stop_signal
-                memory = self._memory
-                agreed = d.exchange(
-                    samples=self.batch_size if batch is not None else None,
-                    has_next=has_next,
-                    stop=signalled,
-                    micro_batch=self._micro_batch() if batch is not None else None,
-                    setting=self.micro_batch,
-                    batch=self.batch_size if batch is not None else None,
-                    peak=memory.peak if memory is not None else None,
-                    capacity=memory.capacity if memory is not None else None,
-                )
-                if agreed.stop is not None and self.stop_reason is None:
-                    self.stop_reason = signalled or agreed.stop
+                agreed = self._exchange(d, here=batch is not None, has_next=has_next)
                 if agreed.fatal or not agreed.all_have_batch:
                     self._drop_step()
                     raise self._fit_error(d, agreed)
@@ -1036,10 +1056,6 @@ class _Trainer:
             total = self.max_steps if total is None else min(total, self.max_steps)
         unavailable = self.checkpointing.unavailable()
         refused = {"set_checkpointing": unavailable} if unavailable else {}
-        if self.dist is not None:
-            from .distributed import NOT_YET
-
-            refused.update(pause=NOT_YET, resume=NOT_YET)
         self.session.start(
             mode="fit",
             model=type(self.dist.inner if self.dist is not None else self.model).__name__,

@@ -58,11 +58,11 @@ from helpers import RequestAt
 out = sys.argv[1]
 rank = int(os.environ["RANK"])
 if sys.argv[2] == "own-group":
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", 30))))
 
 
 def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.optim.SGD, make_model=make_model,
-        pre_hook=None, **kwargs):
+        pre_hook=None, times=False, **kwargs):
     hub = hubs.Hub()
     hubs.install(hub)
     if make_hub:
@@ -81,7 +81,7 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
     record.update(
         steps=result.steps, epochs=result.epochs, stopped=result.stopped, rank=result.rank,
         world_size=result.world_size,
-        events=[[e.name, e.step, e.details.get("to")] for e in hub.events()],
+        events=[[e.name, e.step, e.details.get("to")] + ([e.t] if times else []) for e in hub.events()],
         ooms=[[e.name, e.step, e.details["phase"], e.details.get("micro_batch_to")]
               for e in hub.events() if e.name.startswith("oom")],
         calls=len(calls),
@@ -129,6 +129,14 @@ for name in sys.argv[3:]:
                         os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
 
         run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name == "pause":  # paused from rank 0 after step 2 for longer than the group's timeout, then resumed
+        import threading
+
+        def pause_then_resume(hub):
+            if rank == 0:
+                hub.add_sink(RequestAt(hub, 2, "pause"))
+                threading.Timer(float(os.environ["PAUSE_S"]), hub.controls.request, ("resume",)).start()
+        run(name, mine * 3, make_hub=pause_then_resume, times=True)
     elif name == "unused":  # a parameter the forward uses in step 1 only, in a model fit wraps
         class Branchy(torch.nn.Module):
             def __init__(self):
@@ -400,6 +408,21 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     assert [r["steps"] for r in fatal] == [0, 0]
     assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
     assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
+
+
+def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):
+    """A pause asked of rank 0 alone pauses both at the same boundary; they exchange a heartbeat a
+    second while paused, so a pause of 6 s outlives a process group whose timeout is 3 s; the resume
+    (from rank 0) resumes both at the same boundary and training ends on both."""
+    out = launch(tmp_path, "own-group", "pause", env={"PG_TIMEOUT": "3", "PAUSE_S": "6"})
+    both = records(out, "pause")
+    for record in both:
+        assert (record["steps"], record.get("error")) == (9, None), record
+        pause = {e[0]: e for e in record["events"] if e[0] in ("paused", "resumed")}
+        assert (pause["paused"][1], pause["resumed"][1]) == (3, 3), record["events"]
+        assert pause["resumed"][3] - pause["paused"][3] > 4
+    a, b = weights(out, "pause")
+    assert_close(a, b)
 
 
 def test_the_tui_is_refused_under_torchrun(tmp_path):
