@@ -18,6 +18,7 @@ import gc
 import inspect
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -58,6 +60,7 @@ UNUSED = (
 
 
 _warned_sampler = False
+_group_ours = False  # the default process group is one a fit made (this process's first, or after an abort)
 
 # torch 2.13 renamed broadcast_buffers=False (which also skipped the buffers' sync at init) to
 # forward_sync_buffers=False (which keeps it); older versions know only the first.
@@ -109,18 +112,34 @@ class Agreed:
 class Distributed:
     """This rank's place in the job, and the step's one exchange."""
 
-    def __init__(self, model: nn.Module, device: torch.device, data: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        data: Any,
+        *,
+        shard: bool = False,
+        blocks: Sequence[nn.Module] = (),
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        global _group_ours
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-            atexit.register(_destroy)  # the script made no group: ours goes when the process does
+            if not _group_ours:
+                atexit.register(_destroy)  # the script made no group: ours goes when the process does
+            _group_ours = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
         self._buffer_sync: tuple[str, bool] | None = None
-        if isinstance(model, DistributedDataParallel):
-            self.model: DistributedDataParallel = model
+        self.model: Any
+        self.fsdp = shard or isinstance(model, FSDPModule)
+        if self.fsdp:
+            self._init_fsdp(model, shard and not isinstance(model, FSDPModule), blocks, optimizer)
+        elif isinstance(model, DistributedDataParallel):
+            self.model = model
             self.ours = False
             # Its forward would broadcast rank 0's buffers after each synced forward, a collective a
             # rank replaying alone would issue once more: off while fit runs, done once a step instead.
@@ -137,9 +156,10 @@ class Distributed:
             # last bucket's, a few more elements): no collective of its own. A script's DDP may have a
             # hook of its own: there a small all_reduce after the backward says it (agree_valid).
             self.model.register_comm_hook(self, _with_verdict)
-        self.inner: nn.Module = self.model.module
-        synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
-        self._buffers: list[torch.Tensor] = list(self.model.modules_buffers) if synced else []
+        if not self.fsdp:
+            self.inner: nn.Module = self.model.module
+            synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
+            self._buffers: list[torch.Tensor] = list(self.model.modules_buffers) if synced else []
         self.sampler = _distributed_sampler(data)
         self._first_epoch = getattr(self.sampler, "epoch", 0)
         if self.sampler is None and isinstance(data, DataLoader):
@@ -152,20 +172,56 @@ class Distributed:
         # AccumulateGrad node, registered after DDP's (hooks run in order), so an OOM there can be rescued.
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
         self.arrived: set[int] = set()
-        self._hooks = [
-            torch.autograd.graph.get_gradient_edge(p).node.register_hook(_arrival(self.arrived, i))
-            for i, p in enumerate(self._params)
-        ]
+        self._hooks: list[Any] = []
         # A synced forward that returned has DDP expecting its backward (prepare_for_backward): an OOM
         # after it (in the loss) is no longer this rank's alone. Its outputs say which parameters.
         self.prepared: list[torch.Tensor] | None = None
-        self._hooks.append(self.model.register_forward_hook(self._forwarded))
+        if not self.fsdp:
+            self._hooks = [
+                torch.autograd.graph.get_gradient_edge(p).node.register_hook(_arrival(self.arrived, i))
+                for i, p in enumerate(self._params)
+            ]
+            self._hooks.append(self.model.register_forward_hook(self._forwarded))
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
         self.ranks: tuple[RankMemory, ...] = ()
         """Every rank's micro-batch, step peak and capacity, as the last exchange told them."""
         self._configured: list[int] = []  # every rank's micro_batch setting at the last exchange (0: whole)
         self._batches: list[int] = []  # every rank's batch at the last exchange
+
+    def _init_fsdp(
+        self, model: nn.Module, shard: bool, blocks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """FSDP2: a model the script sharded (fully_shard) is used as is; `shard`: fit shards each of
+        the repeated blocks checkpointing finds, then the root (the model stays sharded after fit), and
+        points the optimizer at the sharded parameters (fully_shard replaces them). Buffers are not
+        sharded and FSDP does not sync them: rank 0's go to every rank once a step."""
+        if shard:
+            if optimizer is not None and optimizer.state:
+                raise ValueError(
+                    'distributed="fsdp": the optimizer already has state, which would not follow the parameters '
+                    "into their shards; shard the model yourself (fully_shard) before making the optimizer"
+                )
+            names = {id(p): name for name, p in model.named_parameters()}
+            for block in blocks:
+                fully_shard(block)
+            fully_shard(model)
+            sharded = dict(model.named_parameters())
+            for group in optimizer.param_groups if optimizer is not None else ():
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        self.model = self.inner = model
+        self.ours = shard
+        self._buffers = list(model.buffers())
+
+    def gradient_sync(self, on: bool) -> None:
+        """FSDP2's no_sync: off, a backward accumulates unsharded gradients without reduce-scattering."""
+        self.model.set_requires_gradient_sync(on)
+
+    def abort(self) -> None:
+        """After a failure under FSDP that this rank cannot complete its collectives from: a group fit
+        made goes now, so the other ranks' collectives fail at once instead of at the timeout."""
+        if _group_ours and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _forwarded(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and self.model.require_backward_grad_sync:
@@ -190,6 +246,12 @@ class Distributed:
         boundary, so a step's micro-batches line up and a control acts on the same value everywhere."""
         set_ = [(size, r) for r, size in enumerate(self._configured) if size > 0]
         return min(set_) if set_ else None
+
+    def passes(self, setting: int | None) -> int:
+        """Forward/backward passes every rank runs in this step under FSDP (each all-gathers, so the
+        count must be the same everywhere): the most any rank's batch needs at `setting` (the micro-batch
+        setting, aligned on every rank; None: the whole batch), as the exchange just told."""
+        return max((-(-b // min(setting or b, b)) for b in self._batches if b > 0), default=1)
 
     def job_sizes(self) -> tuple[int, int]:
         """The job's micro-batch and batch at the last exchange: the largest rank's. Halve and double

@@ -36,6 +36,9 @@ from .session import RunSession
 if TYPE_CHECKING:
     from .distributed import Agreed, Distributed
 
+PREVENT_AT = 0.9
+"""Under FSDP, the share of its capacity a rank's step peak may reach before every rank halves."""
+
 HEARTBEAT_S = 1.0
 """Under torchrun, while paused, the ranks exchange this often (far within any process group's timeout)."""
 
@@ -124,8 +127,8 @@ class FitOptions:
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "micro_batch"):
             _positive(name, getattr(self, name))
-        if self.distributed not in ("auto", "off"):
-            raise ValueError(f'distributed must be "auto" or "off", got {self.distributed!r}')
+        if self.distributed not in ("auto", "off", "fsdp"):
+            raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')
 
 
 def fit(
@@ -216,7 +219,10 @@ class _Trainer:
         model.to(self.device)
         self.dist: Distributed | None = None
         if shared:
-            self.dist = distributed.Distributed(model, self.device, data)
+            shard = o.distributed == "fsdp"
+            self.dist = distributed.Distributed(
+                model, self.device, data, shard=shard, blocks=self.checkpointing.blocks, optimizer=optimizer
+            )
             model = self.model = self.dist.model
         model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
         self.buffers = Buffers(model)
@@ -264,6 +270,7 @@ class _Trainer:
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
         self._memory: Memory | None = None  # after the last step: its peak goes into the next exchange
+        self._cooling = 0  # steps before FSDP's OOM prevention looks at the peaks again
         self._handlers: dict[str, Callable[[Control], bool]] = {
             "halve_batch": self._resize,
             "double_batch": self._resize,
@@ -441,6 +448,8 @@ class _Trainer:
         rank the same state), then keep what was requested here for the next exchange. A stop, a
         signal or a control on one rank reaches the others there, one step later."""
         self._align(d)
+        if d.fsdp:
+            self._prevent(d)
         self._apply_all(d.take_agreed())
         while self.session.paused and self.stop_reason is None:
             # Every rank paused at this boundary together: a heartbeat exchange a second keeps the
@@ -453,6 +462,26 @@ class _Trainer:
             return False
         self._queue_asked(d)
         return True
+
+    def _prevent(self, d: Distributed) -> None:
+        """Under FSDP an OOM mid-step ends the run, so it is prevented: when any rank's step peak reached
+        PREVENT_AT of its capacity (as the last exchange told every rank alike), every rank halves, then
+        lets two steps pass to see the new peak (the exchange's peaks are a step late)."""
+        if self._cooling:
+            self._cooling -= 1
+            return
+        shares = [(r.peak / r.capacity, r.rank) for r in d.ranks if r.peak is not None and r.capacity]
+        if not self.auto_recover or not shares:
+            return
+        share, rank = max(shares)
+        current, _ = d.job_sizes()
+        if share < PREVENT_AT or current <= max(1, self.min_micro_batch):
+            return
+        new = max(current // 2, self.min_micro_batch)
+        self.micro_batch, self._cooling = new, 2
+        details: dict[str, Any] = {"from": current, "to": new, "accumulation": self._accumulation(new)}
+        reason = f"rank {rank}'s step peak at {share:.0%} of its capacity (under FSDP an OOM ends the run)"
+        self.session.emit("micro_batch_changed", **details, reason=reason)
 
     def _queue_asked(self, d: Distributed) -> None:
         """Controls asked of this rank: for the next exchange (what this run refuses, answered now)."""
@@ -655,6 +684,8 @@ class _Trainer:
         its micro-batch). What cannot be recovered ends the run on every rank (FitError)."""
         d = self.dist
         assert d is not None
+        if d.fsdp:
+            return self._train_fsdp(d, batch, has_next)
         self.generators.start()
         self.buffers.save()
         attempt = 0
@@ -687,6 +718,92 @@ class _Trainer:
                     self._recover(oom, attempt)  # halves: _synced_shard checked that it can
         finally:
             self.generators.end()
+
+    def _train_fsdp(self, d: Distributed, batch: Any, has_next: bool) -> bool:
+        """_train_shard() under FSDP2, where every forward all-gathers and every synced backward
+        reduce-scatters: no rank can replay alone, so the exchange comes first (the global batch is
+        known before any forward: each micro-batch's loss is weighted by its share of it), and any
+        failure ends the run (OOMs are prevented instead: _prevent())."""
+        agreed = self._exchange(d, here=batch is not None, has_next=has_next)
+        if agreed.fatal or not agreed.all_have_batch:
+            raise self._fit_error(d, agreed)
+        total, world = self.batch_size, d.world_size
+        # Every rank runs as many passes as the one that needs the most (each all-gathers): a rank
+        # with fewer samples splits its share finer, and one with fewer samples than passes repeats
+        # its last piece at weight 0.
+        count = d.passes(self.micro_batch)
+        size = -(-total // count)
+        if self.tracker is not None:
+            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+        self.probe.start_step()
+        pieces = split(batch, size, total, self.min_micro_batch)
+        real = len(pieces)
+        pieces += [pieces[-1]] * (count - real)
+        if count > 1 and not self._said_batch_norm:
+            self._say_batch_norm(size)
+        scaler, tracker = self.precision.scaler, self.tracker
+        phase = "forward"
+        loss_sum = None
+        try:
+            for i, piece in enumerate(pieces):
+                n = batch_size(piece) if i < real else 0
+                d.gradient_sync(i == count - 1)
+                piece = to_device(piece, self.device)
+                phase = "forward"
+                with self.precision.autocast():
+                    if tracker is not None:
+                        with tracker.saving():
+                            loss = self.step(self.model, piece)
+                    else:
+                        loss = self.step(self.model, piece)
+                self._check_loss(loss)
+                phase = "backward"
+                weighted = loss * (world * n / agreed.samples)  # FSDP averages over the ranks, as DDP does
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                if tracker is not None:
+                    tracker.end_micro_batch()
+                local = loss.detach().float() * (n / total)
+                loss_sum = local if loss_sum is None else loss_sum + local
+            del piece, loss, weighted
+            phase = "optimizer"
+            d.broadcast_buffers()
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            if tracker is not None:
+                tracker.refresh_optimizer()
+        except Exception as exc:
+            raise self._fsdp_failure(d, exc, phase, size) from None
+        finally:
+            d.gradient_sync(True)
+        self.optimizer.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.reset()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        assert loss_sum is not None
+        self.loss = loss_sum.item()
+        self.accumulation = count
+        self.session.steps += 1
+        self.session.samples += total
+        return agreed.all_have_next
+
+    def _fsdp_failure(self, d: Distributed, exc: Exception, phase: str, size: int) -> FitError:
+        """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in,
+        so it leaves the group (a group fit made) and every rank ends with a FitError."""
+        oom = is_oom(exc)
+        what = f"out of memory in {phase}" if oom else f"{type(exc).__name__} in {phase}"
+        detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
+        if oom:
+            self.session.emit("oom", phase=phase, message=detail, micro_batch=size, recovered=False)
+        d.abort()
+        return FitError(
+            f"{what} at micro-batch {size} on rank {d.rank}, step {self.steps + 1}, under FSDP: a rank cannot "
+            "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
+            f"peak nears its capacity; this came first) [{detail}]"
+        )
 
     def _forward_shard(self, d: Distributed, batch: Any) -> _Forwarded | OomInfo | None:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing

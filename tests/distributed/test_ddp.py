@@ -62,7 +62,7 @@ if sys.argv[2] == "own-group":
 
 
 def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.optim.SGD, make_model=make_model,
-        pre_hook=None, times=False, **kwargs):
+        pre_hook=None, times=False, shard=False, **kwargs):
     hub = hubs.Hub()
     hubs.install(hub)
     if make_hub:
@@ -70,6 +70,9 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
     model = make_model()
     if pre_hook is not None:
         model.register_forward_pre_hook(pre_hook)
+    if shard:  # the script shards the model itself (FSDP2), then makes the optimizer
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
     optimizer = optimizer(model.parameters(), lr=0.1)
     record = {}
     try:
@@ -87,7 +90,9 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
         calls=len(calls),
         ranks=[r.to_json() for r in hub.latest().ranks] if hub.latest() else None,
     )
-    torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
+    if not (name == "fsdp-oom" and "error" in record):  # gathering the shards needs a group, gone there
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        torch.save(state, os.path.join(out, f"{name}.{rank}.pt"))
     with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
         json.dump(record, f)
 
@@ -129,6 +134,17 @@ for name in sys.argv[3:]:
                         os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
 
         run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name.startswith("fsdp-"):
+        kind = name.split("-", 1)[1]
+        if kind in ("None", "2"):
+            run(name, mine, distributed="fsdp", micro_batch=None if kind == "None" else int(kind), epochs=2)
+        elif kind == "script":
+            run(name, mine, shard=True, epochs=2)
+        elif kind == "prevent":  # rank 1's budget: step 1's peak comes near it, so every rank halves
+            run(name, mine, distributed="fsdp", epochs=2,
+                memory_budget=os.environ["FSDP_BUDGET"] if rank == 1 else None)
+        elif kind == "oom":  # rank 1's budget is too small for step 1 (no peak seen yet to prevent it)
+            run(name, mine, distributed="fsdp", memory_budget=os.environ["FSDP_OOM_BUDGET"] if rank == 1 else None)
     elif name == "pause":  # paused from rank 0 after step 2 for longer than the group's timeout, then resumed
         import threading
 
@@ -423,6 +439,30 @@ def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):
         assert pause["resumed"][3] - pause["paused"][3] > 4
     a, b = weights(out, "pause")
     assert_close(a, b)
+
+
+def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):
+    """distributed="fsdp" shards the model (and points the optimizer at the shards); a model the script
+    sharded is used as is. Every rank runs as many passes as the one that needs the most (the uneven
+    last batch: rank 1 splits its 2 samples, or repeats a piece at weight 0): weights equal the
+    one-process reference at micro-batch None and 2. When rank 1's step peak comes within 10 % of its
+    budget, every rank halves at the same step, and no OOM comes. An OOM that still comes (step 1,
+    no peak seen yet) ends both ranks with a FitError, rank 1 saying why, nothing waiting for the
+    process group's timeout (it goes last: fit's group is gone after it)."""
+    scenarios = ("fsdp-None", "fsdp-2", "fsdp-script", "fsdp-prevent", "fsdp-oom")
+    out = launch(tmp_path, "fit-group", *scenarios, env={"FSDP_BUDGET": "1700B", "FSDP_OOM_BUDGET": "1500B"})
+    expected = reference(epochs=2)
+    for name in scenarios[:-1]:
+        for record, state in zip(records(out, name), weights(out, name), strict=True):
+            assert (record["steps"], record["epochs"], record.get("error")) == (6, 2, None), (name, record)
+            assert_close(state, expected)
+    prevent = records(out, "fsdp-prevent")
+    halved = [[e for e in r["events"] if e[0] == "micro_batch_changed"] for r in prevent]
+    assert halved[0] == halved[1] == [["micro_batch_changed", 2, 2]], halved  # step 1's peak, said at step 2
+    assert prevent[0]["ooms"] == prevent[1]["ooms"] == []
+    oom = records(out, "fsdp-oom")
+    assert oom[1]["error"].startswith("out of memory in backward at micro-batch 4 on rank 1, step 1, under FSDP")
+    assert "lost the other ranks" in oom[0]["error"] or "under FSDP" in oom[0]["error"], oom[0]["error"]
 
 
 def test_the_tui_is_refused_under_torchrun(tmp_path):
