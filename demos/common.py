@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import gputui
 
@@ -24,7 +25,14 @@ def parser(description: str, *, steps: int, batch: int) -> argparse.ArgumentPars
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default=None, help="write JSON lines to this file")
     p.add_argument("--save", default=None, metavar="PATH", help="save the model here when training ends or is stopped")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun, shard the model with FSDP2 (default: DDP)")
     return p
+
+
+def world() -> tuple[int, int]:
+    """(this process's rank, the number of ranks): (0, 1) unless torchrun launched several. Each rank
+    trains its share of every global batch (--batch is the global batch)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def apply_size(args: argparse.Namespace, sizes: dict[str, tuple[int, ...]], names: tuple[str, ...]) -> None:
@@ -48,6 +56,7 @@ def fit_kwargs(args: argparse.Namespace) -> dict:
         memory_budget=args.memory_budget,
         auto_recover=not args.manual,
         metrics=args.metrics,
+        distributed="fsdp" if args.fsdp else "auto",
     )
 
 

@@ -3,6 +3,7 @@
 python demos/gpt.py                        # small: about a minute on a CPU (q stops it sooner)
 python demos/gpt.py --steps 200            # a quick run
 python demos/gpt.py --width 768 --layers 12 --seq 1024 --batch 32   # big enough to hurt a GPU
+torchrun --nproc-per-node 2 demos/gpt.py --fsdp   # two ranks, the model sharded (FSDP2); DDP without --fsdp
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class MarkovTokens:
         g = torch.Generator().manual_seed(seed)
         # each token can be followed by 4 others: the best loss is about ln(4) = 1.39
         self.next = torch.randint(vocab, (vocab, 4), generator=g)
-        self.vocab, self.seq, self.batch, self.steps, self.seed = vocab, seq, batch, steps, seed
+        rank, world = common.world()  # under torchrun, each rank draws its own share of each batch
+        self.vocab, self.seq, self.batch, self.steps, self.seed = vocab, seq, batch // world, steps, seed + rank
 
     def __len__(self) -> int:
         return self.steps

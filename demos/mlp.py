@@ -7,8 +7,6 @@ torchrun --nproc-per-node 2 demos/mlp.py # two ranks (DDP); `gputui jobs` lists 
 
 from __future__ import annotations
 
-import os
-
 import common
 import torch
 from torch import nn
@@ -73,9 +71,9 @@ def main() -> None:
     with torch.no_grad():
         y = teacher(x).argmax(dim=1)
     dataset = TensorDataset(x, y)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = common.world()
     if world > 1:  # under torchrun: each rank trains its share of every global batch
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=int(os.environ["RANK"]), drop_last=True)
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, drop_last=True)
         data = DataLoader(dataset, batch_size=args.batch // world, sampler=sampler, drop_last=True)
     else:
         data = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True)

@@ -213,6 +213,12 @@ class Distributed:
         self.ours = shard
         self._buffers = list(model.buffers())
 
+    @property
+    def model_name(self) -> str:
+        """The model's class as the script named it (FSDP2 swaps in a subclass named FSDP<name>)."""
+        name = type(self.inner).__name__
+        return name.removeprefix("FSDP") if self.fsdp else name
+
     def gradient_sync(self, on: bool) -> None:
         """FSDP2's no_sync: off, a backward accumulates unsharded gradients without reduce-scattering."""
         self.model.set_requires_gradient_sync(on)

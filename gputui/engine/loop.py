@@ -1175,7 +1175,7 @@ class _Trainer:
         refused = {"set_checkpointing": unavailable} if unavailable else {}
         self.session.start(
             mode="fit",
-            model=type(self.dist.inner if self.dist is not None else self.model).__name__,
+            model=self.dist.model_name if self.dist is not None else type(self.model).__name__,
             refused=refused,
             epochs=self._planned_epochs(steps_per_epoch),
             max_steps=self.max_steps,
