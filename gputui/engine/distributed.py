@@ -235,7 +235,13 @@ class Distributed:
 
     def identity(self) -> dict[str, Any]:
         """This rank in its job, for the run's info (`gputui jobs` groups the ranks by `job`)."""
-        return {"rank": self.rank, "world_size": self.world_size, "job": job_id()}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "node": int(os.environ.get("GROUP_RANK", "0")),
+            "job": job_id(),
+        }
 
     def set_epoch(self, epoch: int) -> None:
         """A DistributedSampler shuffles by its epoch: fit runs the epochs, so fit sets it."""

@@ -11,6 +11,7 @@ summary, and the events that answer every request.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class RunSession:
         info = RunInfo(
             mode=mode,
             pid=os.getpid(),
+            hostname=socket.gethostname(),
             started=time.time(),
             argv=tuple(sys.argv),
             device=str(self.device),

@@ -69,6 +69,9 @@ class RunInfo:
     without repeated blocks has nothing to checkpoint). Absent: the run takes it."""
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0
+    node: int = 0  # torchrun's GROUP_RANK: which node of the job
+    hostname: str = ""
     job: str = ""
     """Under torchrun, what the ranks of one job share (its run id and rendezvous): "" for one process."""
 
@@ -100,6 +103,9 @@ _INFO_TYPES: dict[str, Any] = {
     "pid": int,
     "rank": int,
     "world_size": int,
+    "local_rank": int,
+    "node": int,
+    "hostname": str,
     "job": str,
     "started": NUMBER,
     "argv": (list, tuple),

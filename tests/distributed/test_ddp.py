@@ -61,6 +61,9 @@ if sys.argv[2] == "own-group":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", 30))))
 
 
+IDENTITY = ("rank", "world_size", "local_rank", "node", "job")
+
+
 def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.optim.SGD, make_model=make_model,
         pre_hook=None, times=False, shard=False, **kwargs):
     hub = hubs.Hub()
@@ -89,6 +92,7 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
               for e in hub.events() if e.name.startswith("oom")],
         calls=len(calls),
         ranks=[r.to_json() for r in hub.latest().ranks] if hub.latest() else None,
+        identity=[getattr(hub.info, k) for k in IDENTITY] if hub.info else None,
     )
     if not (name == "fsdp-oom" and "error" in record):  # gathering the shards needs a group, gone there
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
@@ -283,6 +287,9 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
         for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
             assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)
             assert_close(state, expected)
+    # Each rank's run says where it is in the job, the job's id the same on both (what `gputui jobs` groups by).
+    ids = [r["identity"] for r in records(out, "equal-None")]
+    assert [i[:4] for i in ids] == [[0, 2, 0, 0], [1, 2, 1, 0]] and ids[0][4] == ids[1][4] != ""
     # Every rank's sample says every rank's micro-batch (the last step's: 4 and 2 samples) and, one step
     # late, its peak (no capacity: no memory budget); the same on both.
     a, b = (r["ranks"] for r in records(out, "equal-None"))
