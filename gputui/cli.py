@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--refresh", metavar="HZ", type=_rate, default=4.0, help="screen updates per second (default 4; 1 to 30)"
     )
+    run.add_argument(
+        "--nproc-per-node",
+        metavar="N",
+        type=int,
+        help="launch N processes under torchrun on this node (single node: --standalone), each "
+        "`gputui run --headless`, and show rank 0 here: the keys act on every rank",
+    )
     run.add_argument("script", metavar="SCRIPT", help="the training script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -154,6 +161,18 @@ def _run(options: argparse.Namespace) -> int:
     except ScriptNotFound as exc:
         print(f"gputui: error: {exc}", file=sys.stderr)
         return 2
+    if options.nproc_per_node is not None and options.headless:
+        print(
+            "gputui: error: --nproc-per-node launches torchrun under the TUI; headless, run torchrun "
+            "yourself: `torchrun --nproc-per-node N -m gputui run --headless SCRIPT`",
+            file=sys.stderr,
+        )
+        return 2
+    if options.nproc_per_node is not None and options.nproc_per_node < 1:
+        print(
+            f"gputui: error: --nproc-per-node takes 1 or more processes, not {options.nproc_per_node}", file=sys.stderr
+        )
+        return 2
     if not options.headless and launched_rank() is not None:
         print(
             "gputui: error: under torchrun every rank would draw its TUI on one terminal; use "
@@ -162,11 +181,15 @@ def _run(options: argparse.Namespace) -> int:
         )
         return 2
     if not options.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
-        print(
-            "gputui: error: the TUI needs a terminal; use `gputui run --headless` (e.g. under nohup or CI)",
-            file=sys.stderr,
+        instead = (
+            "`torchrun --nproc-per-node N -m gputui run --headless SCRIPT`"
+            if options.nproc_per_node is not None
+            else "`gputui run --headless`"
         )
+        print(f"gputui: error: the TUI needs a terminal; use {instead} (e.g. under nohup or CI)", file=sys.stderr)
         return 2
+    if options.nproc_per_node is not None:
+        return _torchrun(options)
     overrides = Overrides(
         memory_budget=options.memory_budget,
         gpu_memory_limit=options.gpu_memory_limit,
@@ -196,6 +219,34 @@ def _run(options: argparse.Namespace) -> int:
             # would only interrupt the cleanup, leaving a stale socket and printing our own traceback.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
+
+
+def _torchrun(options: argparse.Namespace) -> int:
+    """`gputui run --nproc-per-node N`: torchrun's ranks headless (this command's flags each), the TUI
+    attached to rank 0; the exit code is torchrun's."""
+    from .torchrun import JobDied, TorchrunJob
+
+    flags = [
+        f"--{name.replace('_', '-')}={value}"
+        for name in ("metrics", "memory_budget", "gpu_memory_limit", "snapshot_dir")
+        if (value := getattr(options, name)) is not None
+    ] + (["--memory-history"] if options.memory_history else [])
+    job = TorchrunJob(options.nproc_per_node, ["gputui", "run", "--headless", *flags, options.script, *options.args])
+    print(f"gputui: torchrun: {options.nproc_per_node} processes; their output goes to {job.log}", flush=True)
+    try:
+        pid, path = job.wait_for_rank0()
+    except (JobDied, KeyboardInterrupt) as exc:
+        if job.returncode() is None:  # too slow, or Ctrl-C: stop its ranks (killed after KILL_AFTER s)
+            job.stop()
+            job.wait()
+        if isinstance(exc, JobDied):
+            print(f"gputui: {'error: ' if exc.code != 0 else ''}{exc}; its log {job.log} ends with:", file=sys.stderr)
+            print("\n".join(job.tail()), file=sys.stderr)
+            return exc.code if exc.code is not None else 1
+        return job.returncode() or 130
+    from .tui.runner import torchrun_tui
+
+    return torchrun_tui(job, pid, path, script=options.script, refresh=options.refresh)
 
 
 def _terminated(hub: Any, signum: int, frame: Any) -> None:

@@ -1,6 +1,7 @@
-"""Running the app: on a local script (`gputui run`) or on a job elsewhere (`gputui attach`).
+"""Running the app: on a local script (`gputui run`), on a job elsewhere (`gputui attach`), or on
+the torchrun job it launched (`gputui run --nproc-per-node`).
 
-Both own the terminal for the app's lifetime and give it back intact. When the terminal goes
+Each owns the terminal for the app's lifetime and give it back intact. When the terminal goes
 away (SIGHUP: an SSH session dropped, a tmux window killed; or a hang-up terminal.py notices),
 a local run closes the app and goes on headless: the training thread keeps training, the
 socket keeps serving, and the process exits with the script's code when it ends. SIGTERM and
@@ -15,11 +16,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, TextIO
 
 from .. import interrupts
 from ..launch import detach_from_terminal, run_script
+from ..telemetry.client import Mirror
+from ..torchrun import KILL_AFTER, TorchrunJob
 from .app import GputuiApp
+from .remote import RemoteSource
 from .sources import LocalSource
 from .terminal import Terminal, guarded_terminal
 
@@ -149,12 +153,77 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
 
 
 def attach_tui(path: str, pid: int | None, *, control: bool, refresh: float) -> int:
-    from ..telemetry.client import Mirror
-    from .remote import RemoteSource
-
     mirror = Mirror(path, pid, control=control).start()
     app = GputuiApp(RemoteSource(mirror, control=control), script="", refresh=refresh)
     app.view.remote = True
     app.run()
     mirror.stop()
     return 0 if not app.return_code else 1
+
+
+class _JobSource(RemoteSource):
+    """Rank 0 of a torchrun job, steered with control; its stop (q, Ctrl-C) goes to every rank as a
+    signal (torchrun.py says why), so it works before rank 0 is connected and for an own loop too."""
+
+    def __init__(self, mirror: Mirror, job: TorchrunJob) -> None:
+        super().__init__(mirror, control=True)
+        self.job = job
+
+    def request(self, action: str, value: Any = None) -> int | None:
+        if action == "stop":
+            self.job.stop()
+            return None
+        return super().request(action, value)
+
+
+def torchrun_tui(job: TorchrunJob, pid: int, path: str, *, script: str, refresh: float) -> int:
+    """The TUI attached to rank 0 (`pid`, its socket `path`) of `job`, with control: the keys act on
+    every rank through the exchange. The job's end is the app's "script" ending: q or Ctrl-C stop every
+    rank after the same step and the app leaves when torchrun has ended; a second one stops them at
+    once; the job is killed KILL_AFTER s after the first stop. A hang-up leaves the job running, as
+    `gputui run` leaves its script: the app closes and this process exits with torchrun's code."""
+    mirror = Mirror(path, pid, control=True).start()
+    hung_up: list[bool] = []
+    apps: list[GputuiApp] = []
+
+    def ended(report: TextIO) -> int:
+        code = job.wait()
+        if code:
+            report.write(f"torchrun ended with exit code {code}; its log {job.log} ends with:\n")
+            report.write("\n".join(job.tail()) + "\n")
+        return code or 0
+
+    with guarded_terminal(lambda text: apps[0].output.write(text) if apps else None) as terminal:
+        app = GputuiApp(_JobSource(mirror, job), script=os.path.basename(script), runner=ended, refresh=refresh)
+        apps.append(app)
+        app.view.remote = True
+
+        def hangup(signum: int, frame: Any) -> None:
+            if not hung_up:
+                hung_up.append(True)
+                terminal.release()
+                _schedule(app.exit, None)
+
+        signal.signal(signal.SIGHUP, hangup)
+        for sig in STOPS:  # a signal to this process acts as Ctrl-C in the app: stop, then at once
+            signal.signal(sig, lambda signum, frame: _schedule(app.action_interrupt))
+        app.run()
+    mirror.stop()
+    if hung_up:
+        detach_from_terminal()
+        return job.wait() or 0
+    for sig in STOPS:  # from here, a Ctrl-C in the terminal stops the ranks at once
+        signal.signal(sig, lambda signum, frame: job.stop())
+    if job.returncode() is None:  # q again after a stop (then at once), or the app failed (then after the step)
+        job.stop()
+        sys.stderr.write(f"gputui: stopping the torchrun job (killed after {KILL_AFTER:g} s)\n")
+        job.wait()
+    if app.return_code:
+        sys.stderr.write(
+            "\n".join(app.output.tail(60)) + "\ngputui: error: the TUI stopped on an internal error (above)\n"
+        )
+    code = job.returncode() or 0
+    lines = job.tail()
+    print(f"gputui: torchrun's output, every rank's: {job.log} (last {len(lines)} lines):")
+    print("\n".join(lines))
+    return code
