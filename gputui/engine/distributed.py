@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import inspect
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -48,7 +49,10 @@ CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
 state on every rank after them)."""
 _FIRST_CONTROL = REQUESTED + 1
 _MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
-_PER_RANK = 5  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity
+_PER_RANK = 8  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity,
+# loss (fixed point), samples/s (fixed point), OOMs recovered
+_FIXED = 1_000_000  # a float in the exchange: its millionths, rounded
+_NONE = -(2**62)  # a figure not known yet
 _VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
 UNUSED = (
@@ -286,6 +290,9 @@ class Distributed:
         batch: int | None = None,
         peak: int | None = None,
         capacity: int | None = None,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+        ooms: int = 0,
     ) -> Agreed:
         """The step's one collective before the synced backward; `samples` None: no batch here. Each
         rank also says its micro-batch (what it runs, and its setting: None for the whole batch) and its
@@ -293,7 +300,16 @@ class Distributed:
         first_rank = _FIRST_CONTROL + len(CONTROL_SLOTS)
         vector = [0] * (first_rank + _PER_RANK * self.world_size)
         mine = first_rank + _PER_RANK * self.rank
-        vector[mine : mine + _PER_RANK] = [micro_batch or 0, setting or 0, batch or 0, _known(peak), _known(capacity)]
+        vector[mine : mine + _PER_RANK] = [
+            micro_batch or 0,
+            setting or 0,
+            batch or 0,
+            _known(peak),
+            _known(capacity),
+            _fixed(loss),
+            _fixed(samples_per_s),
+            ooms,
+        ]
         vector[HAS_BATCH] = int(samples is not None)
         vector[SAMPLES] = samples or 0
         vector[HAS_NEXT] = int(has_next)
@@ -321,8 +337,16 @@ class Distributed:
             self._agreed.extend(local + [Control(action, value, source="another rank") for _ in range(others)])
         slots = [total[first_rank + _PER_RANK * r : first_rank + _PER_RANK * (r + 1)] for r in range(self.world_size)]
         self.ranks = tuple(
-            RankMemory(r, micro, None if peak_ < 0 else peak_, None if cap < 0 else cap)
-            for r, (micro, _, _, peak_, cap) in enumerate(slots)
+            RankMemory(
+                r,
+                micro,
+                None if peak_ < 0 else peak_,
+                None if cap < 0 else cap,
+                loss=None if loss_ == _NONE else loss_ / _FIXED,
+                samples_per_s=None if rate == _NONE else rate / _FIXED,
+                ooms=ooms_,
+            )
+            for r, (micro, _, _, peak_, cap, loss_, rate, ooms_) in enumerate(slots)
         )
         self._configured = [slot[1] for slot in slots]
         self._batches = [slot[2] for slot in slots]
@@ -406,6 +430,11 @@ class Distributed:
                 for b in group:
                     b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
                     offset += b.numel()
+
+
+def _fixed(value: float | None) -> int:
+    """A float for the exchange (int64): its millionths; _NONE where unknown or not finite."""
+    return _NONE if value is None or not math.isfinite(value) else round(value * _FIXED)
 
 
 def _known(value: int | None) -> int:

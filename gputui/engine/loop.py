@@ -271,6 +271,7 @@ class _Trainer:
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
         self._memory: Memory | None = None  # after the last step: its peak goes into the next exchange
         self._cooling = 0  # steps before FSDP's OOM prevention looks at the peaks again
+        self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
         self._handlers: dict[str, Callable[[Control], bool]] = {
             "halve_batch": self._resize,
             "double_batch": self._resize,
@@ -497,7 +498,7 @@ class _Trainer:
         """The exchange with what this rank says: its batch (`here`), a signal, its micro-batch and
         batch, its last step's peak and capacity. A stop agreed there is this rank's from now on."""
         signalled = self._signal or self.hub.stop_signal
-        memory = self._memory
+        memory, latest = self._memory, self.hub.latest()
         agreed = d.exchange(
             samples=self.batch_size if here else None,
             has_next=has_next,
@@ -507,9 +508,16 @@ class _Trainer:
             batch=self.batch_size if here else None,
             peak=memory.peak if memory is not None else None,
             capacity=memory.capacity if memory is not None else None,
+            loss=self.loss,
+            samples_per_s=latest.samples_per_s if latest is not None else None,
+            ooms=self.ooms_recovered,
         )
         if agreed.stop is not None and self.stop_reason is None:
             self.stop_reason = signalled or agreed.stop
+        for r in d.ranks:  # another rank's OOM, recovered alone: said here too (each screen shows one rank)
+            if r.rank != d.rank and r.ooms > self._ooms_seen.get(r.rank, 0):
+                self.session.emit("rank_oom_recovered", rank=r.rank, ooms=r.ooms, micro_batch=r.micro_batch)
+            self._ooms_seen[r.rank] = r.ooms
         return agreed
 
     def _align(self, d: Distributed) -> None:

@@ -59,6 +59,9 @@ def _top(e: Event) -> str:
 
 
 _TEXT: dict[str, Callable[[Event], str]] = {
+    "rank_oom_recovered": lambda e: (
+        f"rank {e['rank']} recovered from an OOM ({e['ooms']} so far); it runs micro-batch {e['micro_batch']}"
+    ),
     "oom_recovered": lambda e: (
         f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
         f"retried with {e['micro_batch_to']} x {e['accumulation']}"

@@ -114,6 +114,9 @@ class RankMemory:
     micro_batch: int
     peak: int | None = None
     capacity: int | None = None
+    loss: float | None = None  # its last step's loss (its share's)
+    samples_per_s: float | None = None
+    ooms: int = 0  # OOMs it recovered from, in all
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -295,6 +298,7 @@ class Event:
 
 EVENTS: dict[str, tuple[str, ...]] = {
     "oom_recovered": ("phase", "micro_batch", "micro_batch_to", "accumulation"),
+    "rank_oom_recovered": ("rank", "ooms", "micro_batch"),
     "oom": ("phase", "recovered"),
     "micro_batch_changed": ("from", "to", "accumulation"),
     "amp_changed": ("from", "to"),

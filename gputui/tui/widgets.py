@@ -311,8 +311,17 @@ class RanksPanel(RunPanel):
         return self.view.ranks(self.lines())
 
     def title(self) -> Text:
-        count = len(self.view.job_ranks)
-        return Text(f"ranks · {count} in the job, as of the last step" if count else "ranks")
+        ranks = self.view.job_ranks
+        if not ranks:
+            return Text("ranks")
+        parts = [f"ranks · {len(ranks)} in the job"]
+        rates = [r.samples_per_s for r in ranks if r.samples_per_s is not None]
+        if len(rates) == len(ranks):  # the job's speed: every rank's share at once
+            parts.append(f"{sum(rates):,.0f} samples/s in all")
+        losses = [r.loss for r in ranks if r.loss is not None]
+        if len(losses) == len(ranks):
+            parts.append(f"mean loss {sum(losses) / len(losses):.4g}")
+        return Text(" · ".join(parts))
 
     def render(self) -> RenderableType:
         ranks = self.view.ranks(self.lines())

@@ -411,6 +411,8 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
             assert_close(state, expected)
         assert both[1]["ooms"] == [["oom_recovered", 0, phase, to]], name
         assert both[0]["ooms"] == [], name
+        # Rank 0's screen hears of rank 1's OOM, once: at the first exchange where rank 1 says it had one.
+        assert [e[0] for e in both[0]["events"] if e[0] == "rank_oom_recovered"] == ["rank_oom_recovered"], name
     # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces); rank 0 trains
     # its first batch whole (and again when rank 1's failure came after DDP's forward), then aligns
     # with rank 1 from step 2 on (2 + 2 pieces).

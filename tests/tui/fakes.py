@@ -36,8 +36,12 @@ class FrozenClock:
 
 def rank_memories(count: int, peak: int, capacity: int | None, micro_batch: int) -> tuple[RankMemory, ...]:
     """`count` ranks of a torchrun job as the step's exchange gives them: rank 0 at `peak`, the others a
-    whole GiB apart in a scrambled order (of 64, rank 19 is the worst, 63 GiB above rank 0)."""
-    return tuple(RankMemory(r, micro_batch, peak + (r * 37 % count) * GiB, capacity) for r in range(count))
+    whole GiB apart in a scrambled order (of 64, rank 19 is the worst, 63 GiB above rank 0); each at
+    1000 samples/s, its loss 2.0 + rank / 10."""
+    return tuple(
+        RankMemory(r, micro_batch, peak + (r * 37 % count) * GiB, capacity, loss=2.0 + r / 10, samples_per_s=1000.0)
+        for r in range(count)
+    )
 
 
 def cuda_sample(step: int, ranks: int = 0) -> StepSample:

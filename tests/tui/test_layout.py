@@ -113,7 +113,8 @@ async def test_every_rank_of_a_small_job_on_one_line_each(size):
     screen = await shown(cuda_run(ranks=2, rank=0, world_size=2), size)
     assert_whole(screen)
     lines = screen["ranks"].splitlines()
-    assert "ranks · 2 in the job, as of the last step" in lines[0]
+    job = "ranks · 2 in the job · 2,000 samples/s in all · mean loss 2.05"
+    assert job in lines[0], lines[0]  # the job's speed summed, its loss averaged
     assert len(lines) == 4  # a line a rank in its border: the charts keep the rest
     this, worst = lines[1], lines[2]
     long = size[0] >= 120
