@@ -16,8 +16,8 @@ from __future__ import annotations
 import atexit
 import gc
 import inspect
-import math
 import os
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,10 +49,9 @@ CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
 state on every rank after them)."""
 _FIRST_CONTROL = REQUESTED + 1
 _MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
-_PER_RANK = 8  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity,
-# loss (fixed point), samples/s (fixed point), OOMs recovered
-_FIXED = 1_000_000  # a float in the exchange: its millionths, rounded
-_NONE = -(2**62)  # a figure not known yet
+_PER_RANK = 9  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity,
+# loss and samples/s (a float64's bits), OOMs recovered, its allocator thrashing
+_NONE = 0x7FF80000DEADBEEF  # a float not known yet: a NaN no arithmetic makes (torch's NaN has no payload)
 _VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
 UNUSED = (
@@ -192,6 +191,8 @@ class Distributed:
         """Every rank's micro-batch, step peak and capacity, as the last exchange told them."""
         self._configured: list[int] = []  # every rank's micro_batch setting at the last exchange (0: whole)
         self._batches: list[int] = []  # every rank's batch at the last exchange
+        self._resized: int | None = None  # the job's micro-batch as set at this boundary
+        self.thrashing: list[int] = []  # the ranks whose allocator thrashed, as the last exchange said
 
     def _init_fsdp(
         self, model: nn.Module, shard: bool, blocks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None
@@ -270,9 +271,15 @@ class Distributed:
         return max((-(-b // min(setting or b, b)) for b in self._batches if b > 0), default=1)
 
     def job_sizes(self) -> tuple[int, int]:
-        """The job's micro-batch and batch at the last exchange: the largest rank's. Halve and double
-        act on these, so every rank decides alike (a rank with a short last batch would not)."""
-        return max(r.micro_batch for r in self.ranks), max(self._batches)
+        """The job's micro-batch and batch at the last exchange: the largest rank's (or what a resize at
+        this boundary made it). Halve and double act on these, so every rank decides alike (a rank
+        with a short last batch would not), and two halvings at one boundary halve twice."""
+        micro = self._resized if self._resized is not None else max(r.micro_batch for r in self.ranks)
+        return micro, max(self._batches)
+
+    def resized(self, micro_batch: int) -> None:
+        """Every rank set the job's micro-batch at this boundary (the next exchange says it anyway)."""
+        self._resized = micro_batch
 
     def take_agreed(self) -> list[Control]:
         """The controls the last exchange announced, for every rank to apply at this boundary."""
@@ -293,6 +300,7 @@ class Distributed:
         loss: float | None = None,
         samples_per_s: float | None = None,
         ooms: int = 0,
+        thrashing: bool = False,
     ) -> Agreed:
         """The step's one collective before the synced backward; `samples` None: no batch here. Each
         rank also says its micro-batch (what it runs, and its setting: None for the whole batch) and its
@@ -306,9 +314,10 @@ class Distributed:
             batch or 0,
             _known(peak),
             _known(capacity),
-            _fixed(loss),
-            _fixed(samples_per_s),
+            _bits(loss),
+            _bits(samples_per_s),
             ooms,
+            int(thrashing),
         ]
         vector[HAS_BATCH] = int(samples is not None)
         vector[SAMPLES] = samples or 0
@@ -342,12 +351,14 @@ class Distributed:
                 micro,
                 None if peak_ < 0 else peak_,
                 None if cap < 0 else cap,
-                loss=None if loss_ == _NONE else loss_ / _FIXED,
-                samples_per_s=None if rate == _NONE else rate / _FIXED,
+                loss=_float(loss_),
+                samples_per_s=_float(rate),
                 ooms=ooms_,
             )
-            for r, (micro, _, _, peak_, cap, loss_, rate, ooms_) in enumerate(slots)
+            for r, (micro, _, _, peak_, cap, loss_, rate, ooms_, _) in enumerate(slots)
         )
+        self.thrashing = [r for r, slot in enumerate(slots) if slot[8]]
+        self._resized = None
         self._configured = [slot[1] for slot in slots]
         self._batches = [slot[2] for slot in slots]
         return Agreed(
@@ -432,9 +443,14 @@ class Distributed:
                     offset += b.numel()
 
 
-def _fixed(value: float | None) -> int:
-    """A float for the exchange (int64): its millionths; _NONE where unknown or not finite."""
-    return _NONE if value is None or not math.isfinite(value) else round(value * _FIXED)
+def _bits(value: float | None) -> int:
+    """A float for the exchange: its float64 bits as an int64 (the others write 0 in its slot, so the
+    sum is those bits exactly, whatever the value: 1e13, inf, NaN); _NONE where unknown."""
+    return _NONE if value is None else struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _float(bits: int) -> float | None:
+    return None if bits == _NONE else struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _known(value: int | None) -> int:

@@ -87,6 +87,14 @@ def _shared(mode: str, model: nn.Module) -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+def _transport(exc: BaseException) -> bool:
+    """An error of the collectives' transport (a peer gone, a timeout), not of this rank's step."""
+    text = str(exc)
+    return type(exc).__name__.startswith("Dist") or any(
+        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
+    )
+
+
 class _Forwarded(NamedTuple):
     """A rank's share up to its synced backward: the last micro-batch's loss (None: out of memory
     after DDP's synced forward returned, `oom`), its samples, the micro-batch count, the loss so far."""
@@ -272,6 +280,7 @@ class _Trainer:
         self._memory: Memory | None = None  # after the last step: its peak goes into the next exchange
         self._cooling = 0  # steps before FSDP's OOM prevention looks at the peaks again
         self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
+        self._thrashing = False  # this rank's allocator thrashed since its last exchange
         self._handlers: dict[str, Callable[[Control], bool]] = {
             "halve_batch": self._resize,
             "double_batch": self._resize,
@@ -449,8 +458,7 @@ class _Trainer:
         rank the same state), then keep what was requested here for the next exchange. A stop, a
         signal or a control on one rank reaches the others there, one step later."""
         self._align(d)
-        if d.fsdp:
-            self._prevent(d)
+        self._prevent(d)
         self._apply_all(d.take_agreed())
         while self.session.paused and self.stop_reason is None:
             # Every rank paused at this boundary together: a heartbeat exchange a second keeps the
@@ -465,23 +473,31 @@ class _Trainer:
         return True
 
     def _prevent(self, d: Distributed) -> None:
-        """Under FSDP an OOM mid-step ends the run, so it is prevented: when any rank's step peak reached
-        PREVENT_AT of its capacity (as the last exchange told every rank alike), every rank halves, then
-        lets two steps pass to see the new peak (the exchange's peaks are a step late)."""
+        """Halve every rank alike, from what the last exchange told every rank: when a rank's allocator
+        thrashed (the slow road to an OOM; a rank halving alone would leave the others' passes and
+        settings apart), and under FSDP, where an OOM mid-step ends the run, when a rank's step peak
+        reached PREVENT_AT of its capacity. Then two steps pass before it looks again (the exchange's
+        figures are a step late)."""
         if self._cooling:
             self._cooling -= 1
             return
-        shares = [(r.peak / r.capacity, r.rank) for r in d.ranks if r.peak is not None and r.capacity]
-        if not self.auto_recover or not shares:
+        if not self.auto_recover or not d.ranks:
             return
-        share, rank = max(shares)
+        shares = [(r.peak / r.capacity, r.rank) for r in d.ranks if r.peak is not None and r.capacity]
+        share, rank = max(shares) if shares else (0.0, 0)
+        if d.thrashing:
+            reason = f"rank {d.thrashing[0]}'s allocator thrashing (retrying allocations step after step)"
+        elif d.fsdp and share >= PREVENT_AT:
+            reason = f"rank {rank}'s step peak at {share:.0%} of its capacity (under FSDP an OOM ends the run)"
+        else:
+            return
         current, _ = d.job_sizes()
-        if share < PREVENT_AT or current <= max(1, self.min_micro_batch):
+        if current <= max(1, self.min_micro_batch):
             return
         new = max(current // 2, self.min_micro_batch)
         self.micro_batch, self._cooling = new, 2
+        d.resized(new)
         details: dict[str, Any] = {"from": current, "to": new, "accumulation": self._accumulation(new)}
-        reason = f"rank {rank}'s step peak at {share:.0%} of its capacity (under FSDP an OOM ends the run)"
         self.session.emit("micro_batch_changed", **details, reason=reason)
 
     def _queue_asked(self, d: Distributed) -> None:
@@ -511,7 +527,9 @@ class _Trainer:
             loss=self.loss,
             samples_per_s=latest.samples_per_s if latest is not None else None,
             ooms=self.ooms_recovered,
+            thrashing=self._thrashing,
         )
+        self._thrashing = False  # said
         if agreed.stop is not None and self.stop_reason is None:
             self.stop_reason = signalled or agreed.stop
         for r in d.ranks:  # another rank's OOM, recovered alone: said here too (each screen shows one rank)
@@ -564,6 +582,8 @@ class _Trainer:
             "micro_batch_changed", control, **{"from": current, "to": new}, accumulation=self._accumulation(new)
         )
         self.micro_batch = new
+        if self.dist is not None:
+            self.dist.resized(new)
         return True
 
     def _set_amp(self, control: Control) -> bool:
@@ -801,7 +821,12 @@ class _Trainer:
     def _fsdp_failure(self, d: Distributed, exc: Exception, phase: str, size: int) -> FitError:
         """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in,
         so it leaves the group (a group fit made) and every rank ends with a FitError."""
+        if isinstance(exc, FitError):  # said already (a lost rank in fit's own collective)
+            return exc
         oom = is_oom(exc)
+        if not oom and _transport(exc):  # another rank left: this one did nothing wrong
+            d.abort()
+            return FitError(f"rank {d.rank} lost the other ranks in step {self.steps + 1} under FSDP [{exc}]")
         what = f"out of memory in {phase}" if oom else f"{type(exc).__name__} in {phase}"
         detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
         if oom:
@@ -1134,6 +1159,9 @@ class _Trainer:
         last, streak = self._retries
         streak = streak + 1 if retries > last else 0
         self._retries = (retries, streak)
+        if self.dist is not None and streak >= THRASHING_STEPS:  # said at the exchange: every rank halves
+            self._thrashing, self._retries = True, (retries, 0)
+            return
         if streak >= THRASHING_STEPS and self.auto_recover and self._micro_batch() > self.min_micro_batch:
             current = self._micro_batch()
             self.micro_batch = max(current // 2, self.min_micro_batch)

@@ -138,6 +138,15 @@ for name in sys.argv[3:]:
                         os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
 
         run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name.startswith("thrash-"):  # rank 1's allocator thrashes from step 1 on (retries rising every step)
+        import types
+        import gputui.engine.session as session
+        from helpers import thrashing_allocator
+        real = session.for_device
+        if rank == 1:
+            thrashing_allocator(types.SimpleNamespace(setattr=setattr))
+        run(name, mine * 3, distributed="fsdp" if name == "thrash-fsdp" else "auto")
+        session.for_device = real
     elif name.startswith("fsdp-"):
         kind = name.split("-", 1)[1]
         if kind in ("None", "2"):
@@ -167,6 +176,12 @@ for name in sys.argv[3:]:
                 self.calls += 1
                 return self.spare(self.body(x)) if self.calls == 1 else self.body(x)
         run(name, mine, make_model=Branchy)
+    elif name == "bigloss":  # a diverging loss (1e13 and more) on every rank, through the exchange's float slots
+        def diverging(model, batch, plain=step):
+            return plain(model, batch) * 1e13
+        plain, step = step, diverging
+        run(name, mine, max_steps=2)
+        step = plain
     elif name == "vanish":  # rank 1's process ends after its step 3 (exit status 0: torchrun waits for rank 0)
         from gputui.telemetry.hub import Sink
 
@@ -320,7 +335,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     reaches a rank twice under torchrun (the terminal's, then torchrun's): still one graceful stop.
     A rank whose process ends mid-run leaves the other with a FitError that says so (it goes last:
     rank 1 is gone after it)."""
-    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "unused", "vanish")
+    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "unused", "bigloss", "vanish")
     stops = (("signal-TERM", "terminated"), ("signal-INT", "interrupted"), ("signal-INT-twice", "interrupted"))
     for name, reason in stops:
         for record in records(out, name):
@@ -331,6 +346,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     survivor = json.loads((out / "vanish.0.json").read_text())
     assert survivor["error"].startswith("rank 0 lost the other ranks"), survivor
     assert not (out / "vanish.1.json").exists()
+    # A loss past what int64 millionths could hold travels as a float64's bits: exact, no crash.
+    for record in records(out, "bigloss"):
+        assert (record["steps"], record.get("error")) == (2, None), record
+        assert all(r["loss"] > 1e12 for r in record["ranks"]), record["ranks"]
     # DDP's own advice names a constructor the user never called: the error says what to do instead.
     for record in records(out, "unused"):
         assert (
@@ -458,10 +477,10 @@ def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):
     budget, every rank halves at the same step, and no OOM comes. An OOM that still comes (step 1,
     no peak seen yet) ends both ranks with a FitError, rank 1 saying why, nothing waiting for the
     process group's timeout (it goes last: fit's group is gone after it)."""
-    scenarios = ("fsdp-None", "fsdp-2", "fsdp-script", "fsdp-prevent", "fsdp-oom")
+    scenarios = ("fsdp-None", "fsdp-2", "fsdp-script", "fsdp-prevent", "thrash-ddp", "thrash-fsdp", "fsdp-oom")
     out = launch(tmp_path, "fit-group", *scenarios, env={"FSDP_BUDGET": "1700B", "FSDP_OOM_BUDGET": "1500B"})
     expected = reference(epochs=2)
-    for name in scenarios[:-1]:
+    for name in scenarios[:4]:
         for record, state in zip(records(out, name), weights(out, name), strict=True):
             assert (record["steps"], record["epochs"], record.get("error")) == (6, 2, None), (name, record)
             assert_close(state, expected)
@@ -469,6 +488,15 @@ def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):
     halved = [[e for e in r["events"] if e[0] == "micro_batch_changed"] for r in prevent]
     assert halved[0] == halved[1] == [["micro_batch_changed", 2, 2]], halved  # step 1's peak, said at step 2
     assert prevent[0]["ooms"] == prevent[1]["ooms"] == []
+    # Rank 1's allocator thrashes: said at the exchange, every rank halves at the same step (DDP and FSDP
+    # alike; a rank halving alone would run other passes than the others under FSDP, and hang).
+    for name in ("thrash-ddp", "thrash-fsdp"):
+        both = records(out, name)
+        halved = [[e for e in r["events"] if e[0] == "micro_batch_changed"] for r in both]
+        assert halved[0] == halved[1] and halved[0] and halved[0][0][2] == 2, (name, halved)
+        assert [(r["steps"], r.get("error")) for r in both] == [(9, None), (9, None)], name
+        a, b = weights(out, name)
+        assert_close(a, b)
     oom = records(out, "fsdp-oom")
     assert oom[1]["error"].startswith("out of memory in backward at micro-batch 4 on rank 1, step 1, under FSDP")
     assert "lost the other ranks" in oom[0]["error"] or "under FSDP" in oom[0]["error"], oom[0]["error"]
