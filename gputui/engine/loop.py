@@ -660,15 +660,8 @@ class _Trainer:
             loss_sum = None
             for i, piece in enumerate(pieces):
                 share = (size if i < count - 1 else total - size * (count - 1)) / total
-                piece = to_device(piece, self.device)
                 phase = "forward"
-                with self.precision.autocast():
-                    if tracker is not None:
-                        with tracker.saving():
-                            loss = self.step(self.model, piece)
-                    else:
-                        loss = self.step(self.model, piece)
-                self._check_loss(loss)
+                loss = self._forward(piece)
                 phase = "backward"
                 weighted = loss * share if count > 1 else loss
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
@@ -678,13 +671,7 @@ class _Trainer:
                 loss_sum = detached if loss_sum is None else loss_sum + detached
             del piece, loss, weighted
             phase = "optimizer"
-            if scaler is not None:
-                scaler.step(self.optimizer)
-                scaler.update()
-            else:
-                self.optimizer.step()
-            if tracker is not None:
-                tracker.refresh_optimizer()
+            self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
             if tracker is not None:
                 tracker.reset()
@@ -776,15 +763,8 @@ class _Trainer:
             for i, piece in enumerate(pieces):
                 n = batch_size(piece) if i < real else 0
                 d.gradient_sync(i == count - 1)
-                piece = to_device(piece, self.device)
                 phase = "forward"
-                with self.precision.autocast():
-                    if tracker is not None:
-                        with tracker.saving():
-                            loss = self.step(self.model, piece)
-                    else:
-                        loss = self.step(self.model, piece)
-                self._check_loss(loss)
+                loss = self._forward(piece)
                 phase = "backward"
                 weighted = loss * (world * n / agreed.samples)  # FSDP averages over the ranks, as DDP does
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
@@ -795,13 +775,7 @@ class _Trainer:
             del piece, loss, weighted
             phase = "optimizer"
             d.broadcast_buffers()
-            if scaler is not None:
-                scaler.step(self.optimizer)
-                scaler.update()
-            else:
-                self.optimizer.step()
-            if tracker is not None:
-                tracker.refresh_optimizer()
+            self._optimizer_step()
         except Exception as exc:
             raise self._fsdp_failure(d, exc, phase, size) from None
         finally:
@@ -861,16 +835,9 @@ class _Trainer:
         try:
             for i, piece in enumerate(pieces):
                 n = size if i < count - 1 else total - size * (count - 1)
-                piece = to_device(piece, self.device)
                 phase = "forward"
                 with nullcontext() if i == count - 1 else d.model.no_sync():
-                    with self.precision.autocast():
-                        if tracker is not None:
-                            with tracker.saving():
-                                loss = self.step(self.model, piece)
-                        else:
-                            loss = self.step(self.model, piece)
-                    self._check_loss(loss)
+                    loss = self._forward(piece)
                     if i == count - 1:
                         return _Forwarded(loss, n, count, loss_sum, None)
                     phase = "backward"
@@ -996,13 +963,7 @@ class _Trainer:
         del weighted
         d.broadcast_buffers()
         try:
-            if scaler is not None:
-                scaler.step(self.optimizer)
-                scaler.update()
-            else:
-                self.optimizer.step()
-            if tracker is not None:
-                tracker.refresh_optimizer()
+            self._optimizer_step()
         except Exception as exc:
             # Not safe to retry (the parameters may be partly updated) and the others have stepped:
             # this rank ends the step as they do and says it at the next exchange (or the closing
@@ -1063,6 +1024,28 @@ class _Trainer:
             f"a rank's data yielded no batch in epoch {self.epoch + 1} while others had some: each rank needs "
             "at least one (a DistributedSampler gives every rank the same number)"
         )
+
+    def _forward(self, piece: Any) -> torch.Tensor:
+        """One micro-batch's loss: on the device, under AMP, what it saves for backward counted."""
+        piece = to_device(piece, self.device)
+        with self.precision.autocast():
+            if self.tracker is not None:
+                with self.tracker.saving():
+                    loss = self.step(self.model, piece)
+            else:
+                loss = self.step(self.model, piece)
+        self._check_loss(loss)
+        return loss
+
+    def _optimizer_step(self) -> None:
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        if self.tracker is not None:
+            self.tracker.refresh_optimizer()
 
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor):
