@@ -237,6 +237,10 @@ for name in sys.argv[3:]:
             if rank == 1 and len(calls) == 2:
                 raise torch.OutOfMemoryError("out of memory (in the model)")
         run(name, mine, wrap=True, make_model=bn_model, pre_hook=hook)
+if sys.argv[2] == "own-group" and dist.is_initialized():  # the script made the group: it ends it (README)
+    import gc
+    gc.collect()
+    dist.destroy_process_group()
 """
 
 
