@@ -20,7 +20,7 @@ import os
 import struct
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,7 +109,6 @@ class Agreed:
     fatal_oom: int
     fatal_ranks: list[int]
     stop: str | None
-    controls: list[Control] = field(default_factory=list)
 
 
 class Distributed:
@@ -466,11 +465,25 @@ def _collective(op: Any, *args: Any) -> None:
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's and nccl's errors
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise FitError(
-            f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
-            f"says why) [{message}]"
-        ) from None
+        raise lost_ranks(exc) from None
+
+
+def lost_ranks(exc: BaseException) -> FitError:
+    """The FitError of a rank whose collective failed because another rank left."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return FitError(
+        f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
+        f"says why) [{message}]"
+    )
+
+
+def is_transport(exc: BaseException) -> bool:
+    """An error of the collectives' transport (a peer gone, a timeout), not of this rank's step: a
+    collective inside FSDP's forward or backward fails so, not through _collective."""
+    text = str(exc)
+    return type(exc).__name__.startswith("Dist") or any(
+        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
+    )
 
 
 def _with_verdict(d, bucket):

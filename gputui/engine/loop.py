@@ -87,14 +87,6 @@ def _shared(mode: str, model: nn.Module) -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
-def _transport(exc: BaseException) -> bool:
-    """An error of the collectives' transport (a peer gone, a timeout), not of this rank's step."""
-    text = str(exc)
-    return type(exc).__name__.startswith("Dist") or any(
-        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
-    )
-
-
 class _Forwarded(NamedTuple):
     """A rank's share up to its synced backward: the last micro-batch's loss (None: out of memory
     after DDP's synced forward returned, `oom`), its samples, the micro-batch count, the loss so far."""
@@ -672,22 +664,14 @@ class _Trainer:
             del piece, loss, weighted
             phase = "optimizer"
             self._optimizer_step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if tracker is not None:
-                tracker.reset()
         except Exception as exc:
             if not is_oom(exc):
                 raise
             if self.session.memory_history:  # now, while the failed step's tensors are still alive
                 self.session.snapshot("oom")
             return OomInfo(phase, drop(exc), size, allocated_before)
-        if self.scheduler is not None:
-            self.scheduler.step()
         assert loss_sum is not None  # the batch had at least one piece
-        self.loss = loss_sum.item()
-        self.accumulation = count
-        self.session.steps += 1
-        self.session.samples += total
+        self._step_done(loss_sum, count)
         return None
 
     # -- one global batch as one rank of several ----------------------------------------------
@@ -780,27 +764,22 @@ class _Trainer:
             raise self._fsdp_failure(d, exc, phase, size) from None
         finally:
             d.gradient_sync(True)
-        self.optimizer.zero_grad(set_to_none=True)
-        if tracker is not None:
-            tracker.reset()
-        if self.scheduler is not None:
-            self.scheduler.step()
         assert loss_sum is not None
-        self.loss = loss_sum.item()
-        self.accumulation = count
-        self.session.steps += 1
-        self.session.samples += total
+        self._step_done(loss_sum, count)
         return agreed.all_have_next
 
     def _fsdp_failure(self, d: Distributed, exc: Exception, phase: str, size: int) -> FitError:
         """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in,
         so it leaves the group (a group fit made) and every rank ends with a FitError."""
+        from .distributed import is_transport, lost_ranks
+
         if isinstance(exc, FitError):  # said already (a lost rank in fit's own collective)
             return exc
         oom = is_oom(exc)
-        if not oom and _transport(exc):  # another rank left: this one did nothing wrong
+        if not oom and is_transport(exc):  # another rank left: this one did nothing wrong
+            error = lost_ranks(exc)  # before abort(): it names this rank from the group
             d.abort()
-            return FitError(f"rank {d.rank} lost the other ranks in step {self.steps + 1} under FSDP [{exc}]")
+            return error
         what = f"out of memory in {phase}" if oom else f"{type(exc).__name__} in {phase}"
         detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
         if oom:
@@ -979,15 +958,7 @@ class _Trainer:
             if oom:
                 self.session.emit("oom", phase="optimizer", message=message, recovered=False)
             d.failure = Failure(message, oom=oom, error=None if oom else exc)
-        self.optimizer.zero_grad(set_to_none=True)
-        if tracker is not None:
-            tracker.reset()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.loss = loss_sum.item()
-        self.accumulation = count
-        self.session.steps += 1
-        self.session.samples += total
+        self._step_done(loss_sum, count)
         return True, None
 
     def _complete_buckets(self, d: Distributed, reached: set[int] | None, message: str) -> None:
@@ -1036,6 +1007,18 @@ class _Trainer:
                 loss = self.step(self.model, piece)
         self._check_loss(loss)
         return loss
+
+    def _step_done(self, loss_sum: torch.Tensor, pieces: int) -> None:
+        """After optimizer.step(): the gradients and counted bytes go, the schedule and counters move."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.tracker is not None:
+            self.tracker.reset()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss = loss_sum.item()
+        self.accumulation = pieces
+        self.session.steps += 1
+        self.session.samples += self.batch_size
 
     def _optimizer_step(self) -> None:
         scaler = self.precision.scaler

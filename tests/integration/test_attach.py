@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import socket_of
 
 from gputui.telemetry.client import Connection
 from gputui.telemetry.protocol import encode
@@ -51,15 +52,6 @@ def gputui(env, *args, timeout=60):
     return subprocess.run(
         [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
     )
-
-
-def socket_of(env, pid, timeout=60):
-    path = os.path.join(env["XDG_RUNTIME_DIR"], "gputui", f"{pid}.sock")
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the job never served its socket"
-        time.sleep(0.05)
-    return path
 
 
 def step_of(env, pid):

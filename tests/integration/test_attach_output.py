@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from helpers import socket_of
 
 from gputui.telemetry.client import Connection
 
@@ -39,15 +40,6 @@ def env(tmp_path):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1"}
-
-
-def socket_of(env, pid, timeout=60):
-    path = os.path.join(env["XDG_RUNTIME_DIR"], "gputui", f"{pid}.sock")
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the job never served its socket"
-        time.sleep(0.05)
-    return path
 
 
 def read_output(conn, until):
