@@ -29,6 +29,7 @@ BENCHMARKS = {
     "latency": "Control latency",
     "recovery": "OOM recovery",
     "remedies": "Memory saved per remedy",
+    "planner": "What-if planner: prediction time, accuracy, and what a plan costs the training",
     "tool_costs": "Costs of the tool itself",
     "distributed": "Under torchrun: gputui.fit against a plain DDP loop, and the per-step exchange",
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -276,12 +277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     if options.command == "run":
         return _run(options)
-    if options.command == "watch":
-        return _watch(options)
-    if options.command in ("jobs", "attach", "ctl"):
-        return _jobs(options)
+    try:
+        if options.command == "watch":
+            return _watch(options)
+        if options.command in ("jobs", "attach", "ctl"):
+            return _jobs(options)
+    except BrokenPipeError:  # `gputui jobs | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return 1
     _parser().print_help()
     return 2
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so the interpreter's last flush into the closed pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from .telemetry.client import Connection, Welcome, wait_for_answer
 from .telemetry.controls import ACTIONS
-from .telemetry.describe import describe
+from .telemetry.describe import describe, plan_lines
 from .telemetry.paths import (
     ForeignPeer,
     Job,
@@ -253,6 +253,8 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
         return 1
     event = Event.from_json(answer)
     out.write(f"job {job.pid}: after step {event.step}: {describe(event)}\n")
+    if event.name == "plan":
+        out.writelines(line + "\n" for line in plan_lines(event))
     return 1 if event.name == "control_refused" else 0
 
 

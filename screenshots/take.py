@@ -1,6 +1,7 @@
 """Regenerate the screenshots in this folder from the running app, training the demos for real.
 
     python screenshots/take.py            # SVG from Textual's save_screenshot(), PNG by rsvg-convert
+    python screenshots/take.py planner    # only the screenshots named
 
 PNGs need `rsvg-convert` (Debian: librsvg2-bin). rsvg ignores SVG's textLength and collapses
 leading spaces, so a glyph missing from the monospace font (braille) would be drawn with a
@@ -76,6 +77,13 @@ async def top_scene(app, pilot, hub) -> None:
     await wait(pilot, steps(app, 20))
     await pilot.press("t")
     await wait(pilot, lambda: app.view.top is not None)
+
+
+async def planner_scene(app, pilot, hub) -> None:
+    await wait(pilot, steps(app, 20))
+    asked = app.view.plans
+    await pilot.press("w")
+    await wait(pilot, lambda: app.view.plans > asked and app.view.plan.get("complete") and app.view.plan_fresh)
 
 
 async def help_scene(app, pilot, hub) -> None:
@@ -155,23 +163,34 @@ def to_png(svg_path: Path) -> None:
         fixed.unlink()
 
 
-async def take_all() -> None:
+async def take_all(names: list[str]) -> None:
+    """Every screenshot, or those in `names`."""
     shots = [
         ("main", "gpt.py", ["--steps", "400", "--batch", "48", "--memory-budget", "40MiB"], (120, 40), main_scene),
         ("main-80x24", "mlp.py", ["--steps", "600"], (80, 24), lambda app, pilot, hub: wait(pilot, steps(app, 150))),
         ("oom-dialog", "mlp.py", ["--memory-budget", "12MiB", "--manual"], (100, 30), oom_scene),
         ("top-tensors", "gpt.py", ["--steps", "400"], (100, 30), top_scene),
         ("help", "gpt.py", ["--steps", "400"], (100, 34), help_scene),
+        (
+            "planner",
+            "gpt.py",
+            ["--steps", "400", "--batch", "48", "--memory-budget", "40MiB"],
+            (120, 30),
+            planner_scene,
+        ),
     ]
     for name, demo, args, size, scene in shots:
+        if names and name not in names:
+            continue
         svg = await shoot(name, demo, args, size, scene)
         to_png(svg)
         print(f"wrote {svg.relative_to(ROOT)}")
-    svg = await shoot_torchrun("torchrun-attach", (120, 40))
-    to_png(svg)
-    print(f"wrote {svg.relative_to(ROOT)}")
+    if not names or "torchrun-attach" in names:
+        svg = await shoot_torchrun("torchrun-attach", (120, 40))
+        to_png(svg)
+        print(f"wrote {svg.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
     os.chdir(ROOT)
-    asyncio.run(take_all())
+    asyncio.run(take_all(sys.argv[1:]))

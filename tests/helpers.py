@@ -204,6 +204,14 @@ class RequestAt(Sink):
             self.hub.controls.request(self.action, self.value)
 
 
+def halving_only(monkeypatch) -> None:
+    """OOM recovery halves, as it does when nothing can be predicted: the tests of replay itself want
+    the several retries of a budget (the planner would pick the micro-batch that fits at once)."""
+    from gputui.engine.planning import Planner
+
+    monkeypatch.setattr(Planner, "after_oom", lambda *args, **kwargs: None)
+
+
 def thrashing_allocator(monkeypatch) -> None:
     """fit's probe reports allocator retries growing at every step, as a thrashing CUDA allocator would."""
     import dataclasses

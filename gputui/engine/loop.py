@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -23,12 +23,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from ..probes.cpu import CpuProbe
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES, Control
 from ..telemetry.sample import Memory
 from ..telemetry.setup import MetricsSink, for_process
 from ..units import format_bytes
+from .deferred import DeferredLoss
 from .microbatch import batch_size, shapes, sizes, split, to_device
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
+from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
 from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
 from .session import RunSession
@@ -45,6 +48,9 @@ HEARTBEAT_S = 1.0
 REPEATED_SIGNAL_S = 2.0
 """Under torchrun a Ctrl-C reaches a rank twice (from the terminal, then passed on by torchrun): a
 second signal this soon after the first is that one, not a request to stop at once."""
+
+_RESETTINGS = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing"})
+"""The controls after which a plan made before is stale."""
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
@@ -111,7 +117,7 @@ class FitOptions:
     epochs: int | None = None
     max_steps: int | None = None
     scheduler: Any = None
-    micro_batch: int | None = None
+    micro_batch: int | str | None = None
     amp: str = "off"
     checkpointing: bool | None = None  # None: as the model is (a Hugging Face model's own setting)
     checkpoint_modules: Sequence[nn.Module] | None = None
@@ -125,8 +131,10 @@ class FitOptions:
     distributed: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "max_steps", "micro_batch"):
+        for name in ("epochs", "max_steps"):
             _positive(name, getattr(self, name))
+        if self.micro_batch != "auto":
+            _positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):
             raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')
 
@@ -140,7 +148,7 @@ def fit(
     epochs: int | None = None,
     max_steps: int | None = None,
     scheduler: Any = None,
-    micro_batch: int | None = None,
+    micro_batch: int | str | None = None,
     amp: str = "off",
     checkpointing: bool | None = None,
     checkpoint_modules: Sequence[nn.Module] | None = None,
@@ -228,7 +236,7 @@ class _Trainer:
         self.buffers = Buffers(model)
         # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
         self.min_micro_batch = 2 if self.buffers.batch_norms else 1
-        if o.micro_batch is not None and o.micro_batch < self.min_micro_batch:
+        if isinstance(o.micro_batch, int) and o.micro_batch < self.min_micro_batch:
             raise ValueError(
                 f"micro_batch={o.micro_batch}, but the model has BatchNorm layers and "
                 f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead"
@@ -256,13 +264,19 @@ class _Trainer:
             self.checkpointing.on_inputs = self.tracker.note_saved
         if o.checkpointing is not None:
             self.checkpointing.set(o.checkpointing)
-        self.micro_batch = o.micro_batch  # a cap: None means the whole global batch
+        # A cap: None means the whole global batch; "auto": the largest predicted to fit, chosen at the first batch.
+        self.micro_batch = o.micro_batch if isinstance(o.micro_batch, int) else None
+        self._auto_micro_batch = o.micro_batch == "auto"
+        self._checkpoint_modules = o.checkpoint_modules
+        self.planner: Planner | None = None  # made the first time a prediction is asked for
+        self._shapes: Hashable = None  # the batch's shapes, as the last _train saw them
         self.auto_recover = o.auto_recover
 
         self.epochs_done = self.epoch = self.ooms_recovered = 0
         self.batch_size = 0
         self.accumulation = 1
-        self.loss: float | None = None
+        self._losses = DeferredLoss.for_device(self.device)
+        self.loss: float | None = None  # the newest loss read (on CUDA a step late: result() waits for the last)
         self.stop_reason: str | None = None
         self._signal: str | None = None
         self._warned_loss = False
@@ -279,6 +293,7 @@ class _Trainer:
             "set_amp": self._set_amp,
             "set_checkpointing": self._set_checkpointing,
             "set_auto_recover": self._set_auto_recover,
+            "plan": self._plan,
             "stop": self._request_stop,
         }
 
@@ -345,7 +360,10 @@ class _Trainer:
             trained = 0
             for batch in self.data:
                 self.batch_size = batch_size(batch)
-                if not self._boundary() or not self._train(batch):
+                if not self._boundary():
+                    return
+                self._plan_at_boundary(batch)
+                if not self._train(batch):
                     return
                 trained += 1
                 self._publish()
@@ -402,6 +420,8 @@ class _Trainer:
                     self.batch_size = batch_size(batch)
                 if not self._boundary():
                     return
+                if here:
+                    self._plan_at_boundary(batch)
                 last = self.max_steps is not None and self.steps + 1 >= self.max_steps
                 ahead = end if last or not here else self._next_shared(d, batches, end)
                 more = self._train_shard(batch if here else None, ahead is not end)
@@ -422,8 +442,9 @@ class _Trainer:
         """Apply every queued control; while paused, wait here. False: stop before the next step."""
         if self.dist is not None:
             return self._boundary_shared(self.dist)
-        self._apply_queued()
-        self.session.wait_while_paused(self._apply_queued, self._stopping)
+        if self.hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
+            self._apply_queued()
+            self.session.wait_while_paused(self._apply_queued, self._stopping)
         return not self._stopping()
 
     def _apply_queued(self) -> list[Control]:
@@ -443,6 +464,9 @@ class _Trainer:
                 freed = True
             if self._apply(control):
                 applied.append(control)
+        planner = self.planner
+        if planner is not None and planner.planned and any(c.action in _RESETTINGS for c in applied):
+            planner.ask("changed")  # the remedies line keeps its predictions for the new setting
         return applied
 
     def _boundary_shared(self, d: Distributed) -> bool:
@@ -604,6 +628,14 @@ class _Trainer:
         self.session.emit("auto_recover_changed", control, enabled=control.value)
         return True
 
+    def _plan(self, control: Control) -> bool:
+        fresh = self.planner is None
+        planner = self._get_planner()
+        if fresh and self._memory is not None:
+            self._calibrate(self._memory)  # the table says what the last step measured
+        planner.ask("asked", control)  # answered at this boundary, once the batch is known
+        return True
+
     def _request_stop(self, control: Control) -> bool:
         self.stop_reason = "requested"
         return True
@@ -624,8 +656,9 @@ class _Trainer:
         try:
             while True:
                 if self.tracker is not None:  # what this step saves for backward depends on these alone
+                    self._shapes = shapes(batch)
                     self.tracker.start_step(
-                        (self._micro_batch(), self.precision.mode, self.checkpointing.enabled, shapes(batch))
+                        (self._micro_batch(), self.precision.mode, self.checkpointing.enabled, self._shapes)
                     )
                 self.probe.start_step()
                 oom = self._attempt(batch, self._baseline)
@@ -633,7 +666,7 @@ class _Trainer:
                     return True
                 self._drop_step()
                 retries += 1
-                if not self._recover(oom, retries):
+                if not self._recover(oom, retries, batch):
                     return False
         finally:
             self.generators.end()
@@ -657,7 +690,7 @@ class _Trainer:
                 phase = "backward"
                 weighted = loss * share if count > 1 else loss
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                if tracker is not None:
+                if tracker is not None and tracker.counting:  # uncounted, nothing was saved: nothing to do
                     tracker.end_micro_batch()
                 detached = weighted.detach().float()
                 loss_sum = detached if loss_sum is None else loss_sum + detached
@@ -1015,7 +1048,7 @@ class _Trainer:
             self.tracker.reset()
         if self.scheduler is not None:
             self.scheduler.step()
-        self.loss = loss_sum.item()
+        self.loss = self._losses.put(loss_sum)  # no wait for the device (engine/deferred.py)
         self.accumulation = pieces
         self.session.steps += 1
         self.session.samples += self.batch_size
@@ -1046,16 +1079,19 @@ class _Trainer:
 
     def _drop_step(self) -> None:
         """After an OOM: no gradient, no cached block, no counted byte, no draw from a generator and no
-        running-statistics update of the failed attempt survives."""
+        running-statistics update of the failed attempt survives (no full gc either, unless device
+        memory is still held: Probe.after_oom)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.generators.restore()
         self.buffers.restore()
         if self.tracker is not None:
             self.tracker.reset()
-        self.probe.free_cache()
+        self.probe.after_oom(self._baseline)
 
-    def _recover(self, oom: OomInfo, retries: int) -> bool:
-        """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end."""
+    def _recover(self, oom: OomInfo, retries: int, batch: Any = None) -> bool:
+        """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end.
+        With the batch (one process), the planner picks the largest micro-batch predicted to fit;
+        under torchrun every rank halves, which every rank can decide alike."""
         details: dict[str, Any] = {
             "phase": oom.phase,
             "message": oom.message,
@@ -1094,10 +1130,15 @@ class _Trainer:
                     "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
                     f"helps with the batch spread over several GPUs) ({oom.message})"
                 )
-            new = max(oom.micro_batch // 2, self.min_micro_batch)
+            new, why = max(oom.micro_batch // 2, self.min_micro_batch), "halved"
+            picked = self._pick_after_oom(oom, batch) if batch is not None else None
+            if picked is not None:
+                new, why = picked
             self.ooms_recovered += 1
             self.micro_batch = new
-            self.session.emit("oom_recovered", **details, micro_batch_to=new, accumulation=self._accumulation(new))
+            self.session.emit(
+                "oom_recovered", **details, micro_batch_to=new, accumulation=self._accumulation(new), reason=why
+            )
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
         session = self.session
@@ -1116,12 +1157,93 @@ class _Trainer:
         session.wait_while_paused(apply, self._stopping)
         return not self._stopping()
 
+    # -- the planner ------------------------------------------------------------------------
+    def _get_planner(self) -> Planner:
+        if self.planner is None:
+            self.planner = Planner(
+                self.model,
+                self.optimizer,
+                self.step,
+                self.device,
+                tracked=isinstance(self.probe, CpuProbe),
+                checkpoint_modules=self._checkpoint_modules,
+                checkpointing_unavailable=self.checkpointing.unavailable(),
+                blocks=len(self.checkpointing.blocks),
+                min_micro_batch=self.min_micro_batch,
+                amp_unsupported=self.precision.unsupported,
+                emit=self.session.emit,
+            )
+        return self.planner
+
+    def _setting(self, micro_batch: int | None = None) -> Setting:
+        size = self._micro_batch() if micro_batch is None else micro_batch
+        return Setting(size, self.precision.mode, self.checkpointing.enabled)
+
+    def _capacity(self) -> int | None:
+        return self._memory.capacity if self._memory is not None else self.probe.read().capacity
+
+    def _plan_at_boundary(self, batch: Any) -> None:
+        """The first batch of micro_batch="auto" starts at the largest micro-batch predicted to fit; a
+        table asked for is traced here (a little each boundary), on the training thread."""
+        if self._auto_micro_batch:
+            self._auto_micro_batch = False
+            self._choose_micro_batch(batch)
+        planner = self.planner
+        if planner is not None:
+            self._shapes = shapes(batch)
+            if planner.pending:
+                planner.work(self._setting(), batch, self._shapes, self.batch_size, self._capacity())
+
+    def _choose_micro_batch(self, batch: Any) -> None:
+        """micro_batch="auto": the largest predicted to fit; the whole batch where nothing can say."""
+        total = self.batch_size
+        found, reason = self._auto_size(batch, total)
+        self.micro_batch = None if found >= total else found
+        details: dict[str, Any] = {"from": total, "to": found}
+        self.session.emit("micro_batch_changed", **details, accumulation=self._accumulation(found), reason=reason)
+
+    def _auto_size(self, batch: Any, total: int) -> tuple[int, str]:
+        whole = "so the whole batch (OOM recovery will cut it)"
+        capacity = self._capacity()
+        if capacity is None:
+            return total, f"auto: the device's capacity is unknown, {whole}"
+        try:
+            planner = self._get_planner()
+            s = self._setting()
+            found = planner.largest(s.amp, s.checkpointing, self.min_micro_batch, total, batch, shapes(batch), capacity)
+            if found is None:
+                return self.min_micro_batch, "auto: no micro-batch is predicted to fit, so the smallest"
+            chosen = planner.prediction(self._setting(found), batch, shapes(batch))
+        except NoPrediction:
+            return total, f"auto: no prediction ({self._get_planner().untraceable}), {whole}"
+        except Exception as exc:  # a bug of ours must not stop a run that would train
+            return total, f"auto: the planner failed ({type(exc).__name__}: {exc}), {whole}"
+        assert chosen is not None
+        how = "predicted" if chosen.exact else "estimated"
+        return (
+            found,
+            f"auto: {how} peak {format_bytes(planner.peak(chosen))} of {format_bytes(capacity)}, the largest that fits",
+        )
+
+    def _pick_after_oom(self, oom: OomInfo, batch: Any) -> tuple[int, str] | None:
+        """The planner's micro-batch after an OOM; None (halve) when it cannot say. Never raises: a
+        planner that fails must not turn a recoverable OOM into a crash."""
+        capacity = self.probe.read().capacity
+        if capacity is None:  # nothing to fit in: halve
+            return None
+        try:
+            planner = self._get_planner()
+            picked = planner.after_oom(self._setting(oom.micro_batch), batch, shapes(batch), capacity)
+            planner.ask("oom")  # the whole table, at the next boundaries
+            return picked
+        except Exception as exc:  # a bug of ours or the model's code on fake tensors: halve as before
+            self.session.emit("error", message=f"the planner failed, halving instead: {type(exc).__name__}: {exc}")
+            return None
+
     # -- telemetry --------------------------------------------------------------------------
-    def _watch_thrashing(self, retries: int | None) -> None:
+    def _watch_thrashing(self, retries: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
         is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes."""
-        if retries is None:
-            return
         last, streak = self._retries
         streak = streak + 1 if retries > last else 0
         self._retries = (retries, streak)
@@ -1154,10 +1276,28 @@ class _Trainer:
         )
         self._memory = memory
         self._baseline = memory.allocated or 0
-        self._watch_thrashing(memory.alloc_retries)
+        if memory.alloc_retries is not None:  # a caching allocator's count (CUDA)
+            self._watch_thrashing(memory.alloc_retries)
+        planner = self.planner
+        if planner is not None or (memory.capacity and memory.peak and memory.peak >= NEAR_CAPACITY * memory.capacity):
+            self._calibrate(memory)
         if self.loss is not None and not math.isfinite(self.loss) and not self._warned_loss:
             self._warned_loss = True
             self.session.emit("loss_not_finite", loss=str(self.loss))
+
+    def _calibrate(self, memory: Memory) -> None:
+        """The step just measured against its prediction; near capacity, a table is made ahead."""
+        planner = self._get_planner()
+        setting, shape = self._setting(), self._shapes
+        breakdown = {
+            "parameters": memory.params or 0,
+            "gradients": memory.params or 0,  # every trainable parameter has one at the peak
+            "optimizer": memory.optimizer or 0,
+        }
+        breakdown["activations"] = max(0, (memory.peak or 0) - sum(breakdown.values()))
+        planner.step_measured(setting, shape, memory.peak, breakdown)
+        if planner.near_capacity(setting, shape, memory.peak, memory.capacity) and not planner.pending:
+            planner.ask("near_capacity")
 
     def _say_batch_norm(self, size: int) -> None:
         """Once a run: micro-batching changes what BatchNorm computes, unlike every other remedy."""
@@ -1206,7 +1346,7 @@ class _Trainer:
             epochs=self.epochs_done,
             samples=self.samples,
             micro_batch=self._micro_batch() if self.batch_size else self.micro_batch,
-            loss=self.loss,
+            loss=self._losses.last(),
             events=list(self.session.events or ()),
             stopped=self.stop_reason,
             amp=self.precision.mode,

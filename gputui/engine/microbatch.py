@@ -18,7 +18,12 @@ import torch
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch if batch.dim() > 0 else None
-    for child in _children(batch):
+    # These walks run every step: a tuple's children and tensor leaves are taken here, without a call.
+    for child in batch if isinstance(batch, (tuple, list)) else _children(batch):
+        if isinstance(child, torch.Tensor):
+            if child.dim() > 0:
+                return child
+            continue
         found = _first_tensor(child)
         if found is not None:
             return found
@@ -48,8 +53,10 @@ def shapes(batch: Any) -> Any:
     batches that train the same way."""
     if isinstance(batch, torch.Tensor):
         return batch.shape, batch.dtype
-    children = _children(batch)
-    return tuple(shapes(c) for c in children) if children else None
+    children = batch if isinstance(batch, (tuple, list)) else _children(batch)
+    if not children:
+        return None
+    return tuple([(c.shape, c.dtype) if isinstance(c, torch.Tensor) else shapes(c) for c in children])
 
 
 def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
@@ -77,6 +84,22 @@ def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
     return batch
 
 
+def tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in the batch, in the containers split() walks (dataclasses too, which pytree skips)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return [t for child in _children(batch) for t in tensors(child)]
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """The same batch with `fn` applied to each tensor, rebuilt as split() rebuilds it."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if not _children(batch):
+        return batch
+    return _rebuild(batch, lambda child: map_tensors(child, fn))
+
+
 def sizes(total: int, size: int, smallest: int = 1) -> list[int]:
     """How split() cuts `total` samples: `size` each, the rest last. A rest smaller than `smallest`
     joins the micro-batch before it: BatchNorm cannot normalize one sample in training."""
@@ -94,6 +117,8 @@ def sizes(total: int, size: int, smallest: int = 1) -> list[int]:
 def split(batch: Any, size: int, total: int | None = None, smallest: int = 1) -> list[Any]:
     """Micro-batches as sizes() cuts them (views, not copies): `size` samples, the last one may differ."""
     total = batch_size(batch) if total is None else total
+    if size >= total:  # one piece, the batch itself: most steps
+        return [batch]
     cut = sizes(total, size, smallest)
     count = len(cut)
     if count == 1:
@@ -124,8 +149,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
         if batch.device == device:
             return batch
         return batch.to(device, non_blocking=batch.is_pinned())
-    children = _children(batch)
+    children = batch if isinstance(batch, (tuple, list)) else _children(batch)
+    for child in children:
+        if not isinstance(child, torch.Tensor) or child.device != device:
+            break
+    else:
+        return batch  # tensors already there (every step on a CPU): no walk further, no new container
     moved = [to_device(child, device) for child in children]
     if all(new is old for new, old in zip(moved, children, strict=True)):
-        return batch  # already there (every step on a CPU): no new container
+        return batch
     return _rebuild_from(batch, moved)

@@ -34,7 +34,7 @@ NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopti
 """Why the remedies that change how the loop trains are unavailable here."""
 
 
-LOOP_ACTIONS = ("halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover")
+LOOP_ACTIONS = ("halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover", "plan")
 """The controls that change how the loop trains: an own loop refuses them (NEEDS_FIT)."""
 
 

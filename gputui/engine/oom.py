@@ -69,9 +69,10 @@ class _HostGenerator:
         self.every_step = False
         self.armed = False
         self.saved: Any = None  # the state before this step's first draw (or at its start)
-        self._stepping = False
-        self._fired = False
-        self._at_start: Any = None  # the state at the start of a checked step
+        # Set by Generators.start()/end() directly (no call a step for a generator nothing draws from):
+        self.stepping = False
+        self.fired = False  # the trap fired since the last checked start
+        self.at_start: Any = None  # the state at the start of a checked step
 
     def get(self) -> Any:
         raise NotImplementedError
@@ -102,34 +103,15 @@ class _HostGenerator:
         """The trap saw a draw: the first of the step saves the state."""
         if self.armed:
             self.disarm()
-            if self._stepping:
-                self._fired = True
+            if self.stepping:
+                self.fired = True
                 if self.saved is None:
                     self.saved = self.get()
-
-    def start(self, check: bool) -> None:
-        self._stepping = True
-        self._fired = False
-        self.saved = self._at_start = self.get() if self.every_step or check else None
-        if not self.every_step:
-            self.arm()
 
     def restore(self) -> None:
         """Before a replay: the state the step started with (nothing drawn yet: the trap is still armed)."""
         if self.saved is not None:
             self.set(self.saved)
-
-    def end(self) -> None:
-        self._stepping = False
-        if (
-            self._at_start is not None
-            and not self.every_step
-            and not self._fired
-            and not self.same(self._at_start, self.get())
-        ):
-            self.every_step = True
-            self.disarm()
-        self.saved = self._at_start = None
 
 
 class _PythonRandom(_HostGenerator):
@@ -158,7 +140,7 @@ class _PythonRandom(_HostGenerator):
         names = [n for n in ("random", "getrandbits") if getattr(random, n, None) == getattr(inst, n)]
         self._bound = {n: getattr(random, n) for n in names}
         self._traps = {n: types.MethodType(getattr(Armed, n), inst) for n in names}
-        self._gauss_next: float | None = None
+        self.gauss_next: float | None = None  # kept by Generators.start()
 
     def get(self) -> Any:
         return self.inst.getstate()
@@ -176,13 +158,9 @@ class _PythonRandom(_HostGenerator):
             if random.__dict__.get(name) is trap:  # unless the script rebound it meanwhile
                 setattr(random, name, self._bound[name])
 
-    def start(self, check: bool) -> None:
-        self._gauss_next = self.inst.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in typeshed
-        super().start(check)
-
     def restore(self) -> None:
         super().restore()
-        self.inst.gauss_next = self._gauss_next  # type: ignore[attr-defined]  # as in start()
+        self.inst.gauss_next = self.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in typeshed
 
 
 class _NumpyRandom(_HostGenerator):
@@ -232,6 +210,8 @@ class Generators:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._kind = device.type  # read once: a torch.device's .type costs half a microsecond a read
+        self._cuda: torch.Generator | None = None  # the device's own, found at the first start
         self.python = _PythonRandom()
         self.numpy: _NumpyRandom | None = None  # once numpy.random is imported
         self._hosts: tuple[_HostGenerator, ...] = (self.python,)
@@ -240,32 +220,52 @@ class Generators:
         self._accel: Any = None
 
     def start(self) -> None:
+        """Save torch's generators (the generator objects themselves: torch.get_rng_state() and
+        torch.cuda.get_rng_state() add Python frames and device lookups to every step)."""
         self._starts += 1
-        self._torch = torch.get_rng_state()
-        if self.device.type == "cuda":
-            self._accel = torch.cuda.get_rng_state(self.device)
-        elif self.device.type == "mps":
+        self._torch = torch.default_generator.get_state()
+        if self._kind == "cuda":
+            if self._cuda is None:
+                torch.cuda.init()  # makes default_generators (the model is on the device already)
+                index = self.device.index
+                self._cuda = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+            self._accel = self._cuda.get_state()
+        elif self._kind == "mps":
             self._accel = torch.mps.get_rng_state()
         if self.numpy is None and "numpy.random" in sys.modules:
             self.numpy = _NumpyRandom(sys.modules["numpy.random"])
             self._hosts = (self.python, self.numpy)
         check = self._starts <= 3 or self._starts % self.CHECK_EVERY == 0
-        for host in self._hosts:
-            host.start(check)
+        for host in self._hosts:  # written out: most steps, a few attribute reads and no call
+            host.stepping = True
+            if host.every_step or check:
+                host.fired = False
+                host.saved = host.at_start = host.get()
+            if not host.armed and not host.every_step:  # a draw between steps disarmed it
+                host.arm()
+        python = self.python  # gauss() may return the value it kept without drawing: kept at every start
+        python.gauss_next = python.inst.gauss_next  # type: ignore[attr-defined]  # as in restore()
 
     def restore(self) -> None:
-        torch.set_rng_state(self._torch)
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(self._accel, self.device)
-        elif self.device.type == "mps":
+        torch.default_generator.set_state(self._torch)
+        if self._cuda is not None:
+            self._cuda.set_state(self._accel)
+        elif self._kind == "mps":
             torch.mps.set_rng_state(self._accel)
         for host in self._hosts:
             host.restore()
 
     def end(self) -> None:
-        """The step is over (trained, stopped or failed)."""
+        """The step is over (trained, stopped or failed). A checked step whose state changed with no
+        draw the trap saw: a draw it cannot see, so from now on every step saves the state at its start."""
         for host in self._hosts:
-            host.end()
+            host.stepping = False
+            if host.at_start is not None:
+                if not host.every_step and not host.fired and not host.same(host.at_start, host.get()):
+                    host.every_step = True
+                    host.disarm()
+                host.at_start = None
+            host.saved = None
 
     def close(self) -> None:
         """fit() returns: the generators and modules as the script left them."""

@@ -18,7 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..telemetry.controls import AMP_MODES
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+_OFF = contextlib.nullcontext()  # reusable: one made at each step's forward costs a call
 
 
 class Precision:
@@ -58,8 +61,8 @@ class Precision:
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.mode == "off":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
+            return _OFF
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.mode])
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -226,6 +229,7 @@ class Checkpointing:
                 return checkpoint(original, *args, use_reentrant=False, **kwargs)
             return original(*args, **kwargs)
 
+        forward.gputui_checkpointing = True  # type: ignore[attr-defined]  # plan.py strips it from copies
         block.forward = forward
         self._installed.append((block, own))
 

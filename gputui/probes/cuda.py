@@ -101,6 +101,14 @@ class CudaProbe:
         after = torch.cuda.memory_reserved(self.device)
         return {"bytes": before - after, "reserved_before": before, "reserved_after": after}
 
+    def after_oom(self, baseline: int) -> None:
+        """The failed attempt's cycles (young objects) collected, and a full collection (~100 ms with
+        torch loaded) only while more than `baseline` stays allocated; then the cache emptied."""
+        gc.collect(1)
+        if torch.cuda.memory_allocated(self.device) > baseline:
+            gc.collect()
+        torch.cuda.empty_cache()
+
 
 class NvmlView:
     """What NVML says of this process and its device, from the latest reading the hub carries (no

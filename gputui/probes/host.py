@@ -22,17 +22,27 @@ _process: psutil.Process | None = None
 _last = (0.0, 0)  # (monotonic time, rss) of the last reading
 
 
+def _forget() -> None:
+    """In a forked child: its own process to read, not its parent's (and no parent's reading reused)."""
+    global _process, _last
+    _process, _last = None, (0.0, 0)
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
 def rss(max_age: float = 0.0) -> int:
     """Resident set size of this process in bytes.
 
     A reading costs about 20 us (a /proc read); the per-step probes pass `max_age` so a loop of
-    millisecond steps reads it a few times a second rather than every step.
+    millisecond steps reads it a few times a second rather than every step (then it costs a clock
+    read: a fork is noticed by the fork hook, not by a getpid() a step).
     """
     global _process, _last
     now = time.monotonic()
-    if max_age and now - _last[0] < max_age and _process is not None and _process.pid == os.getpid():
+    if max_age and now - _last[0] < max_age and _process is not None:
         return _last[1]
-    if _process is None or _process.pid != os.getpid():  # a forked child must not read its parent
+    if _process is None:
         _process = psutil.Process()
     _last = (now, _process.memory_info().rss)
     return _last[1]
@@ -40,7 +50,7 @@ def rss(max_age: float = 0.0) -> int:
 
 def read_host() -> HostReading:
     """RSS, this process's CPU use since the last call, and system memory (about 50 us)."""
-    rss()  # refreshes _process for this pid
+    rss()  # makes _process for this pid
     assert _process is not None
     with _process.oneshot():
         memory = _process.memory_info()

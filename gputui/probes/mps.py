@@ -41,3 +41,10 @@ class MpsProbe:
         torch.mps.empty_cache()
         after = torch.mps.driver_allocated_memory()
         return {"bytes": before - after, "reserved_before": before, "reserved_after": after}
+
+    def after_oom(self, baseline: int) -> None:
+        """As CudaProbe.after_oom()."""
+        gc.collect(1)
+        if torch.mps.current_allocated_memory() > baseline:
+            gc.collect()
+        torch.mps.empty_cache()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 import time
 import warnings
 from collections import Counter
@@ -132,6 +133,9 @@ def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
     """The tensors among gc's objects, checked in chunks until `deadline`."""
     objects = gc.get_objects()
     found: list[torch.Tensor] = []
+    # A planner's trace leaves fake tensors (no memory, no data) for gc to collect: not what holds memory.
+    fakes = sys.modules.get("torch._subclasses.fake_tensor")
+    fake: type = fakes.FakeTensor if fakes is not None else _NoFake
     with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
         warnings.simplefilter("ignore")
         for begin in range(0, len(objects), _CHUNK):
@@ -139,10 +143,14 @@ def _walk(deadline: float) -> tuple[list[torch.Tensor], int, bool]:
                 return found, begin, False
             chunk = objects[begin : begin + _CHUNK]
             try:
-                found += [o for o in chunk if isinstance(o, torch.Tensor)]
+                found += [o for o in chunk if isinstance(o, torch.Tensor) and not isinstance(o, fake)]
             except Exception:
-                found += [o for o in chunk if _is_tensor(o)]
+                found += [o for o in chunk if _is_tensor(o) and not isinstance(o, fake)]
     return found, len(objects), True
+
+
+class _NoFake:
+    """Stands for FakeTensor where torch's fake tensors were never loaded."""
 
 
 def _is_tensor(obj: object) -> bool:

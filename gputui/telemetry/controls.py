@@ -27,6 +27,7 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
     "snapshot": None,
     "top_tensors": None,
     "memory_summary": None,
+    "plan": None,
     "pause": None,
     "resume": None,
     "stop": None,

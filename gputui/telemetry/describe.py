@@ -18,6 +18,7 @@ _ACTIONS = {
     "snapshot": "snapshot",
     "top_tensors": "top tensors",
     "memory_summary": "memory summary",
+    "plan": "plan",
     "pause": "pause",
     "resume": "resume",
     "stop": "stop",
@@ -58,6 +59,44 @@ def _top(e: Event) -> str:
     )
 
 
+def _plan(e: Event) -> str:
+    options = e["options"]
+    if not options:
+        return "plan: no remedy applies"
+    now = next((o for o in options if o.get("remedy") == "now"), None)
+    best = next((o for o in options if o.get("remedy") == "best"), None)
+    capacity = e["capacity"]
+    of = f" of {format_bytes(capacity)}" if capacity else ""
+    parts = [f"plan ({len(options)} options{'' if e['complete'] else ', more coming'})"]
+    if now:
+        parts.append(f"now {format_bytes(now.get('peak'))}{of}")
+    if best:
+        parts.append(f"best {best.get('label', '?')}: {format_bytes(best.get('peak'))}")
+    return "; ".join(parts)
+
+
+def plan_lines(e: Event) -> list[str]:
+    """A plan event's options, one line each (for `gputui ctl JOB plan`): key, remedy, predicted peak,
+    its share of capacity and whether it fits, the phase of the peak, exact or why approximate."""
+    capacity = e.get("capacity")
+    lines = []
+    for o in e.get("options") or []:
+        peak = o.get("peak")
+        share = f"{peak / capacity:4.0%}" if capacity and peak is not None else "   -"
+        fits = {True: "fits", False: "does not fit", None: ""}.get(o.get("fits"), "")
+        how = "exact" if o.get("exact") else f"approx: {o.get('reason')}"
+        key = o.get("key") or "-"
+        lines.append(
+            f"  {key:<2} {o.get('label', '?'):<24} {format_bytes(peak):>10} {share} {fits:<13} "
+            f"peak in {o.get('phase', '?')}, {how}"
+        )
+    if e.get("correction"):
+        lines.append(
+            f"  (each includes a correction of {format_bytes(e['correction'])} measured on the setting in use)"
+        )
+    return lines
+
+
 _TEXT: dict[str, Callable[[Event], str]] = {
     "rank_oom_recovered": lambda e: (
         f"rank {e['rank']} recovered from an OOM ({e['ooms']} so far); it runs micro-batch {e['micro_batch']}"
@@ -65,6 +104,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "oom_recovered": lambda e: (
         f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
         f"retried with {e['micro_batch_to']} x {e['accumulation']}"
+        + (f" ({e['reason']})" if e.get("reason") not in (None, "halved") else "")
     ),
     "oom": _oom,
     "micro_batch_changed": lambda e: (
@@ -95,6 +135,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     ),
     "top_tensors": _top,
     "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",
+    "plan": _plan,
     "error": lambda e: f"error: {e['message']}",
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
 }

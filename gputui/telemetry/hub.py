@@ -95,7 +95,11 @@ class Hub:
         with self._lock:
             self._samples.append(sample)
             self._published += 1
-        self._call("on_sample", sample)
+        for sink in self._sinks:  # _call() written out: this runs every step
+            try:
+                sink.on_sample(sample)
+            except SinkFailed as failure:
+                self._failed(sink, failure)
 
     def emit(self, event: Event) -> None:
         with self._lock:

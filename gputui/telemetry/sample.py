@@ -16,10 +16,21 @@ VERSION = 1
 """Version of the wire and metrics-file records; bumped on any incompatible change."""
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, in order (dataclasses.fields() costs microseconds a call: records
+    are read and written many times a second)."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of `data` that are fields of `cls`: a newer peer may send more."""
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
+    return {k: data[k] for k in _names(cls) if k in data}
 
 
 def finite(x: float | None) -> float | None:
@@ -76,7 +87,7 @@ class Memory:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            **{f.name: getattr(self, f.name) for f in fields(self)},
+            **{name: getattr(self, name) for name in _names(type(self))},
             "cached_free": self.cached_free,
             "nvml_gap": self.nvml_gap,
         }
@@ -97,7 +108,7 @@ class GpuProcess:
     command: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _names(type(self))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GpuProcess:
@@ -119,7 +130,7 @@ class RankMemory:
     ooms: int = 0  # OOMs it recovered from, in all
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _names(type(self))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankMemory:
@@ -144,7 +155,7 @@ class GpuDevice:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {name: getattr(self, name) for name in _names(type(self))}
         out["processes"] = [p.to_json() for p in self.processes]
         return out
 
@@ -195,7 +206,7 @@ class HostReading:
     system_total: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _names(type(self))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> HostReading:
@@ -315,6 +326,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot_saved": ("path", "summary_path", "reason"),
     "top_tensors": ("rows", "total_bytes", "tensors"),
     "memory_summary": ("text",),
+    "plan": ("trigger", "options", "capacity", "correction", "tracked", "complete"),
     "error": ("message",),
     "sink_failed": ("message",),
 }

@@ -378,7 +378,10 @@ class TelemetryServer:
             record = self._record(kind, item)
             if record is None:
                 continue
-            line = encode(record)
+            try:
+                line = encode(record)
+            except (TypeError, ValueError):  # a step's NaN (another rank's loss) or a value JSON has no form for
+                line = encode(clean(record))
             for peer in list(self._peers.values()):
                 peer.outbox += line
 
@@ -397,7 +400,7 @@ class TelemetryServer:
         if kind == "step":
             self._series.add(item)
             self._last_step = item
-            return clean(item.to_json()) if self._peers else None
+            return item.to_json() if self._peers else None  # cleaned only if it fails to encode: a walk a step
         if kind == "event":
             record = clean(item.to_json())
             self._events.append(record)

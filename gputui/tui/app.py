@@ -36,6 +36,7 @@ from .screens import (
     MemoryScreen,
     OomScreen,
     Overlay,
+    PlannerScreen,
     TopTensorsScreen,
 )
 from .sources import Source
@@ -306,8 +307,11 @@ class GputuiApp(App[int]):
         self.send("top_tensors", text="top tensors")
         self.push_screen(TopTensorsScreen(self.view))
 
+    def action_plan(self) -> None:
+        self.push_screen(PlannerScreen(self.view, self.source.watch_only))  # it asks for a plan where it can
+
     def action_memory(self) -> None:
-        if self.view.training and not self.source.watch_only and "memory_summary" not in self.view.refused:
+        if not self.view.cannot_send("memory_summary", self.source.watch_only):
             self.send("memory_summary", text="memory summary")
         self.push_screen(MemoryScreen(self.view))
 

@@ -14,6 +14,9 @@ class Key:
     control: str | None = None
     """The control it sends to the training loop (telemetry.controls.ACTIONS), so the run's `refused`
     says when it cannot act; None for the keys that only open a screen."""
+    screen: bool = False
+    """It opens a screen that shows what the run last sent even where the control cannot be sent
+    (watch-only, refused, ended): the key always acts, and the screen says why it cannot ask."""
 
 
 KEYS = (
@@ -54,6 +57,15 @@ KEYS = (
         "auto",
         "Auto-recover: on OOM halve the micro-batch and retry the same batch; off: pause and ask.",
         "set_auto_recover",
+    ),
+    Key(
+        "w",
+        "plan",
+        "plan",
+        "What-if planner: the predicted step peak of each remedy (b, B, a, c and the best fit) before it is "
+        "pressed, against the capacity, traced from the run's model at the next step boundary.",
+        "plan",
+        screen=True,
     ),
     Key("p", "toggle_pause", "pause", "Pause after the current step / resume.", "pause"),
     Key(

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
 from ..telemetry.describe import describe
@@ -83,6 +84,7 @@ class RunView:
     stopping: bool = False
     waiting_oom: Event | None = None
     top: Event | None = None
+    plan: Event | None = None  # the latest "plan" event: the what-if table (remedies bar, planner screen)
     cuda_summary: str | None = None
     started: float | None = None
     ended: float | None = None
@@ -94,7 +96,9 @@ class RunView:
     # Counters that only grow: a panel compares them with what it last drew to skip a re-render.
     generation: int = 0  # runs started over (a new fit, a reconnection)
     samples_seen: int = 0
-    entries: int = 0  # timeline lines ever added
+    entries: int = 0  # timeline lines ever added or folded into
+    plans: int = 0  # plan events seen
+    _filling: Entry | None = None  # the timeline's line of a plan still coming in (the next event replaces it)
 
     # -- folding updates ------------------------------------------------------------------------
     def apply(self, update: Update) -> bool:
@@ -126,7 +130,7 @@ class RunView:
     def _new_run(self, runs: int) -> None:
         self.runs = runs
         self.generation += 1
-        self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = None
+        self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = self.plan = None
         self.ooms = 0
         self.series.clear()
         self.pending.clear()
@@ -157,12 +161,23 @@ class RunView:
             self.top = e  # the table is on its own screen; the timeline says the request was answered
         elif e.name == "memory_summary":
             self.cuda_summary = e.get("text")
+        elif e.name == "plan":
+            self.plan = e
+            self.plans += 1
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
         text = describe(e)
         if request is not None and e.name != "control_refused":
             text = f"✓ {text} · applied after step {e.step}, {e.get('latency_s', 0) * 1000:.0f} ms after the request"
-        self._log(Entry(e.t, e.step, text, KINDS.get(e.name, "applied" if request else "info")))
+        entry = Entry(e.t, e.step, text, KINDS.get(e.name, "applied" if request else "info"))
+        if e.name == "plan" and request is None and self.timeline and self.timeline[0] is self._filling:
+            entry.kind = self.timeline[0].kind  # the same table filling in over a few boundaries: one line
+            self.timeline[0] = entry
+            self.entries += 1
+        else:
+            self._log(entry)
+        if e.name == "plan":
+            self._filling = None if e.get("complete", True) else entry
 
     def _log(self, entry: Entry) -> None:
         self.timeline.appendleft(entry)
@@ -299,16 +314,11 @@ class RunView:
     def why_not(self, action: str, watch_only: str | None) -> str | None:
         """None if the key can act now, else the one-line reason shown when it is pressed."""
         key = BY_ACTION.get(action)
-        if key is None or key.control is None:
+        if key is None or key.control is None or key.screen:
             return None
-        if watch_only:
-            return watch_only
-        if self.info is None:
-            return "training has not started yet"
-        if not self.training:
-            return "training has ended"
-        if key.control in self.refused:
-            return self.refused[key.control]
+        reason = self.cannot_send(key.control, watch_only)
+        if reason or self.info is None:  # the run not started has a reason
+            return reason
         s = self.latest
         if action == "halve_batch" and s is not None and s.micro_batch <= 1:
             return "the micro-batch is already 1"
@@ -317,6 +327,43 @@ class RunView:
         if action == "double_batch" and s is not None and s.micro_batch >= s.batch_size:
             return f"the micro-batch already equals the global batch ({s.batch_size})"
         return None
+
+    def cannot_send(self, control: str, watch_only: str | None) -> str | None:
+        """None if the run can take the control now, else why not."""
+        if watch_only:
+            return watch_only
+        if self.info is None:
+            return "training has not started yet"
+        if not self.training:
+            return "training has ended"
+        return self.refused.get(control)
+
+    @property
+    def plan_fresh(self) -> bool:
+        """The plan was made for the settings the run has now (its "now" row's): a stale plan's
+        predictions are no longer the keys' (each option's settings are absolute)."""
+        now = self.plan_option("now")
+        s = self.latest
+        return (
+            now is not None
+            and s is not None
+            and (now["micro_batch"], now["amp"], now["checkpointing"]) == (s.micro_batch, s.amp, s.checkpointing)
+        )
+
+    @property
+    def plan_options(self) -> list[Mapping[str, Any]]:
+        """The latest plan's rows (empty before any)."""
+        return list(self.plan.get("options", ())) if self.plan else []
+
+    def plan_option(self, remedy: str) -> Mapping[str, Any] | None:
+        return next((o for o in self.plan_options if o["remedy"] == remedy), None)
+
+    def predicted(self, key: str) -> Mapping[str, Any] | None:
+        """The row a remedy key (b, B, a, c) would lead to, from a fresh plan; `a`'s is the mode it switches to."""
+        if not self.plan_fresh:
+            return None
+        amp = self.next_amp()
+        return next((o for o in self.plan_options if o["key"] == key and (key != "a" or o["amp"] == amp)), None)
 
     def next_amp(self) -> str:
         current = self.amp or "off"

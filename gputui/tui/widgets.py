@@ -426,9 +426,10 @@ checkpointing of gputui's to show (a key the run refuses is dimmed, and says why
 
 
 class RemediesBar(RunPanel):
-    """The remedies in force, each after its key (dimmed when it cannot act now). The entries stay
-    whole: shorter labels where they save a line, else a second line; a wide bar adds why the
-    dimmed keys cannot act (narrower ones say it when the key is pressed)."""
+    """The remedies in force, each after its key (dimmed when it cannot act now), and beside it what
+    the key would lead to where the planner predicted it for the settings in force (`b 16×4 7.20 GiB ✓`).
+    The entries stay whole: shorter labels where they save a line, else a second line; a wide bar adds
+    why the dimmed keys cannot act (narrower ones say it when the key is pressed)."""
 
     def __init__(self, view: RunView, watch_only: str | None, *, id: str | None = None) -> None:
         super().__init__(view, id=id)
@@ -438,7 +439,7 @@ class RemediesBar(RunPanel):
         v, s = self.view, self.view.latest
         batch = (s.micro_batch, s.accumulation, s.batch_size) if s else None
         dimmed = tuple(v.why_not(k.action, self.watch_only) for k in KEYS if k.control)
-        return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed
+        return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed, v.plans
 
     def render(self) -> RenderableType:
         width = max(1, self.content_size.width)
@@ -465,8 +466,11 @@ class RemediesBar(RunPanel):
                 key("b/B", "halve_batch", f"{mb} {s.micro_batch} × {s.accumulation} = {s.batch_size}")
                 if s
                 else key("b/B", "halve_batch", f"{mb} –", ""),
+                *self.predictions("bB", long),
                 key("a", "cycle_amp", f"AMP {v.amp or '–'}"),
+                *self.predictions("a", long),
                 key("c", "toggle_checkpointing", f"{'checkpointing' if long else 'ckpt'} {on_off(v.checkpointing)}"),
+                *self.predictions("c", long),
                 key("o", "toggle_auto_recover", f"{'auto-recover' if long else 'auto'} {on_off(v.auto_recover)}"),
             ]
             if v.pending:
@@ -479,6 +483,23 @@ class RemediesBar(RunPanel):
                 if reason:
                     reasons.setdefault(reason, []).append(shown(BY_ACTION[action]))
             entries += [Text(f"· {' '.join(keys)}: {reason}", style="dim italic") for reason, keys in reasons.items()]
+        return entries
+
+    def predictions(self, keys: str, long: bool) -> list[Text]:
+        """`b 16×4 7.20 GiB ✓` for each of the keys with a fresh prediction: the setting it switches
+        to, the predicted step peak (`~`: estimated, not traced), whether it fits (no mark: the
+        capacity is unknown)."""
+        size = format_bytes if long else format_bytes_short
+        entries = []
+        for k in keys:
+            o = self.view.predicted(k)
+            if o is None:
+                continue
+            setting = {"a": o["amp"], "c": on_off(o["checkpointing"])}.get(k, f"{o['micro_batch']}×{o['accumulation']}")
+            text = Text().append(k, style="bold").append(f" {setting} {'' if o['exact'] else '~'}{size(o['peak'])}")
+            if o["fits"] is not None:
+                text.append(" ✓" if o["fits"] else " ✗", style="bold green" if o["fits"] else "bold red")
+            entries.append(text)
         return entries
 
 
@@ -578,6 +599,7 @@ class KeysFooter(Footer):
         "toggle_checkpointing",
         "cycle_amp",
         "halve_batch",
+        "plan",
         "command_palette",
         "snapshot",
         "free_cache",

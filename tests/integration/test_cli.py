@@ -1,6 +1,7 @@
 """`gputui run --headless` on real scripts in real processes: arguments, exit codes, errors, signals."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -181,3 +182,15 @@ def test_plain_python_trains_with_a_progress_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith("gputui: training MLP")
     assert "gputui: done: 3 steps" in done.stdout
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback(tmp_path):
+    """`gputui jobs | head -1`: the pipe closes before gputui has written; it exits without a traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gputui", "jobs"], stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=60
+    )
+    os.close(write)
+    assert done.returncode == 1 and done.stderr == ""

@@ -193,6 +193,12 @@ class FakeSource:
         self.sent.append((action, value))
         return len(self.sent) + 100
 
+    def push(self, samples=(), events=()) -> None:
+        """More for the app's next poll, as the run goes on."""
+        self.update = replace(
+            self.update, samples=[*self.update.samples, *samples], events=[*self.update.events, *events]
+        )
+
 
 def cuda_run(steps: int = 300, ranks: int = 0, **extra) -> FakeSource:
     """A GPT on an H100; `extra`: fields of its info (a rank of a torchrun job: rank, world_size, job);
@@ -249,3 +255,72 @@ def own_loop_run(steps: int = 120) -> FakeSource:
     samples = [replace(s, memory=replace(s.memory, capacity=None), loss_source="backward()") for s in samples]
     refused = {**CPU_REFUSES, **dict.fromkeys(LOOP_ACTIONS, NEEDS_FIT)}
     return FakeSource(samples, [], info("cpu", "CPU", mode="observe", total_steps=None, epochs=None, refused=refused))
+
+
+def plan_option(remedy, key, label, micro_batch, amp, checkpointing, peak, capacity, **extra) -> dict:
+    """A row of a plan event, as the loop's planner sends it; fits below 90% of `capacity`."""
+    parameters, optimizer = int(0.5 * GiB), 1 * GiB
+    activations = max(0, peak - 2 * parameters - optimizer - 256 * MiB)
+    return {
+        "remedy": remedy,
+        "key": key,
+        "label": label,
+        "micro_batch": micro_batch,
+        "accumulation": 64 // micro_batch,
+        "amp": amp,
+        "checkpointing": checkpointing,
+        "peak": peak,
+        "predicted": peak - 300 * MiB,
+        "phase": "backward",
+        "exact": True,
+        "reason": None,
+        "fits": None if capacity is None else peak <= 0.9 * capacity,
+        "seconds": 0.31,
+        "breakdown": {
+            "parameters": parameters,
+            "gradients": parameters,
+            "optimizer": optimizer,
+            "activations": activations,
+            "temporaries": 256 * MiB,
+        },
+    } | extra
+
+
+def plan_event(step=300, capacity=80 * GiB, complete=True, rows=None, **details) -> Event:
+    """The planner's table for cuda_run's settings after its OOM (micro-batch 32 x 2, bf16, no
+    checkpointing); `rows`: only the first so many (a table still coming in)."""
+    options = [
+        plan_option("now", None, "as now", 32, "bf16", False, int(14.1 * GiB), capacity),
+        plan_option("halve", "b", "micro-batch 16x4", 16, "bf16", False, int(8.2 * GiB), capacity),
+        plan_option("double", "B", "micro-batch 64x1", 64, "bf16", False, int(27.9 * GiB), capacity),
+        plan_option("amp", "a", "AMP off", 32, "off", False, int(22.5 * GiB), capacity),
+        plan_option(
+            "amp",
+            "a",
+            "AMP fp16",
+            32,
+            "fp16",
+            False,
+            int(14.3 * GiB),
+            capacity,
+            exact=False,
+            reason="fp16 estimated from the measured activations",
+        ),
+        plan_option("checkpointing", "c", "checkpointing on", 32, "bf16", True, int(6.3 * GiB), capacity),
+        plan_option("best", None, "64x1 ckpt", 64, "bf16", True, int(11.9 * GiB), capacity, phase="optimizer"),
+    ][:rows]
+    return Event(
+        "plan",
+        step,
+        {
+            "trigger": "asked",
+            "capacity": capacity,
+            "correction": 300 * MiB,
+            "measured": int(14.1 * GiB),
+            "tracked": False,
+            "complete": complete,
+            "options": options,
+            **details,
+        },
+        t=T0 + step,
+    )

@@ -5,11 +5,11 @@ the new SVGs before committing them.
 """
 
 import pytest
-from fakes import FrozenClock, cpu_run, cuda_run, own_loop_run
+from fakes import FrozenClock, GiB, cpu_run, cuda_run, own_loop_run, plan_event
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
-from gputui.tui.screens import OomScreen
+from gputui.tui.screens import OomScreen, PlannerScreen
 
 pytestmark = pytest.mark.usefixtures("utc")  # timeline clocks in UTC: stable snapshots
 
@@ -60,3 +60,18 @@ def test_oom_dialog(snap_compare):
 
 def test_help_screen(snap_compare):
     assert snap_compare(app(cuda_run()), terminal_size=(100, 30), press=["question_mark"])
+
+
+def test_planner_screen(snap_compare):
+    source = cuda_run()
+
+    async def plan_shown(pilot):  # w asks; the run answers with the table
+        await pilot.press("w")
+        source.push(events=[plan_event(capacity=20 * GiB, request_id=101)])
+        for _ in range(100):
+            if isinstance(pilot.app.screen, PlannerScreen) and pilot.app.screen.query_one("#plan-table").row_count:
+                break
+            await pilot.pause(0.02)
+        await pilot.pause()
+
+    assert snap_compare(app(source), terminal_size=(100, 30), run_before=plan_shown)

@@ -127,6 +127,7 @@ def test_why_not_reads_the_refusals_the_run_announced():
         "cycle_amp": OWN_LOOP,  # key actions map onto the run's control actions
         "toggle_checkpointing": OWN_LOOP,
         "toggle_auto_recover": OWN_LOOP,
+        "plan": None,  # its screen opens whatever the run takes: it says why it cannot ask
         "free_cache": None,
         "toggle_pause": None,
         "snapshot": "memory snapshots are a CUDA allocator feature",

@@ -25,6 +25,17 @@ EXAMPLES = {
     "snapshot_saved": {"path": "/tmp/s.pickle", "summary_path": "/tmp/s.txt", "reason": "requested"},
     "top_tensors": {"rows": [ROW], "total_bytes": 16384, "tensors": 2},
     "memory_summary": {"text": "|  PyTorch CUDA memory summary |"},
+    "plan": {
+        "trigger": "asked",
+        "capacity": 2**30,
+        "correction": 0,
+        "tracked": False,
+        "complete": True,
+        "options": [
+            {"remedy": "now", "label": "as now", "peak": 2**29},
+            {"remedy": "best", "label": "24x3", "peak": 2**28},
+        ],
+    },
     "error": {"message": "out of memory inside optimizer.step()"},
     "sink_failed": {"message": "metrics file m.jsonl: No space left on device; no more lines will be written"},
 }
@@ -52,6 +63,18 @@ def test_the_details_an_event_promises_are_enough_to_describe_it(name):
     assert text and "{" not in text
     if name not in ("paused", "resumed"):
         assert text != name.replace("_", " ")
+
+
+def test_a_plan_and_a_planned_recovery_say_what_was_chosen():
+    assert (
+        describe(Event("plan", 3, EXAMPLES["plan"])) == "plan (2 options); now 512 MiB of 1.00 GiB; best 24x3: 256 MiB"
+    )
+    picked = {**EXAMPLES["oom_recovered"], "micro_batch_to": 6, "reason": "predicted peak 7.00 GiB of 8.00 GiB at 6"}
+    assert describe(Event("oom_recovered", 3, picked)).endswith(
+        "retried with 6 x 2 (predicted peak 7.00 GiB of 8.00 GiB at 6)"
+    )
+    halved = {**EXAMPLES["oom_recovered"], "reason": "halved"}
+    assert describe(Event("oom_recovered", 3, halved)).endswith("retried with 4 x 2")
 
 
 def test_an_own_loop_oom_diagnosis_is_described():

@@ -9,6 +9,7 @@ from helpers import (
     assert_same_weights,
     conv_batches,
     conv_step,
+    halving_only,
     plain_loop,
     token_batches,
     token_step,
@@ -69,7 +70,8 @@ def test_dict_batches_with_adam_and_scheduler_over_epochs():
     assert sched.last_epoch == 8
 
 
-def test_forced_oom_halvings_under_budget_match_plain_loop():
+def test_forced_oom_halvings_under_budget_match_plain_loop(monkeypatch):
+    halving_only(monkeypatch)
     batches = conv_batches(6, 16, seed=3)
     ref, model = twins(lambda: ConvNet(channels=16))
     plain_loop(ref, batches, conv_step, adam)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gputui.telemetry import protocol
 from gputui.telemetry.protocol import ACTIONS, MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client, parse_server
 
 
@@ -81,6 +82,21 @@ def test_fuzz_objects_only_protocol_errors_and_valid_results_are_clean(data):
         assert type(message["id"]) is int and 0 <= message["id"] < 2**53
         assert message["action"] in ACTIONS
         assert message["value"] is None or isinstance(message["value"], (str, bool))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), json_values, max_size=6), st.booleans())
+def test_a_line_returned_without_the_walk_is_what_the_walk_makes_of_it(data, ascii_only):
+    """parse_server skips its walk over plain lines (printable ASCII, no risky number): never where the
+    walk would have stripped a string or refused a number."""
+    raw = json.dumps({**data, "v": 1, "kind": "step"}, ensure_ascii=ascii_only).encode()
+    outcomes = []
+    for parse in (parse_server, lambda line: protocol._printable(json.loads(line), 0, None)):
+        try:
+            outcomes.append(parse(raw))
+        except ProtocolError:
+            outcomes.append(ProtocolError)
+    assert outcomes[0] == outcomes[1]
 
 
 def test_encode_is_one_line_of_strict_json():

@@ -12,6 +12,7 @@ from helpers import (
     assert_same_buffers,
     assert_same_weights,
     conv_batches,
+    halving_only,
     micro_batches_used,
     plain_accumulating_loop,
     twins,
@@ -87,8 +88,9 @@ def test_a_script_drawing_from_step_10_on_replays_the_same_draws(draw, seed):
     assert type(random._inst) is random.Random and type(np.random) is type(np)  # fit left no trap behind
 
 
-def test_batch_norm_statistics_do_not_advance_twice_for_a_replayed_batch():
+def test_batch_norm_statistics_do_not_advance_twice_for_a_replayed_batch(monkeypatch):
     """The budget forces OOMs in forward and backward, after BatchNorm layers updated their statistics."""
+    halving_only(monkeypatch)
     batches = conv_batches(6, 16, seed=3)
     ref, model = twins(lambda: ConvNet(channels=16, batch_norm=True))
     result = gputui.fit(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), sgd(model), memory_budget="200KiB")

@@ -83,6 +83,25 @@ def test_a_client_gets_who_the_run_so_far_then_live_records(served):
         assert kinds == ["step", "end"]
 
 
+def test_the_welcome_is_built_once_per_change_of_the_run_not_per_connection(served, monkeypatch):
+    hub, server = served
+    built = []
+    to_json = server._series.to_json  # the history: the largest part of a welcome
+    monkeypatch.setattr(server._series, "to_json", lambda: built.append(1) or to_json())
+    hub.start(RunInfo(device="cpu"))
+    for step in range(1, 4):
+        hub.publish(sample(step))
+    until(lambda: not server._queue and server._last_step is not None and server._last_step.step == 3)
+    with Connection(server.path) as first, Connection(server.path) as second:
+        assert first.welcome().latest["step"] == second.welcome().latest["step"] == 3
+    assert len(built) == 1
+    hub.publish(sample(4))
+    until(lambda: server._last_step.step == 4)
+    with Connection(server.path) as third:
+        assert third.welcome().latest["step"] == 4
+    assert len(built) == 2
+
+
 def test_watch_only_cannot_steer_but_control_can(served):
     hub, server = served
     with Connection(server.path) as watcher:

@@ -1,0 +1,98 @@
+"""Each step's loss as a Python number, without waiting for the device.
+
+`.item()` on a CUDA tensor waits for every kernel queued before it: read every step, it holds the
+CPU back to the GPU's pace, and a launch-bound model loses the queue of work the CPU had run ahead
+with. On CUDA each step's loss is copied into pinned host memory (non_blocking) behind an event and
+read once the event has passed, usually a step later; only the run's last loss is waited for, when
+fit returns it. Elsewhere it is read at once: a CPU tensor has nothing to wait for, and MPS has no
+pinned memory to copy into.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+MAX_PENDING = 32
+"""Copies in flight at most: past it the oldest is not read (its loss is never shown), so a device
+far behind the CPU costs a bounded few bytes of pinned memory."""
+
+
+class Copy(Protocol):
+    """One loss on its way to the host; reused once read."""
+
+    def start(self, loss: torch.Tensor) -> None: ...
+    def done(self) -> bool: ...
+    def wait(self) -> None: ...
+    def value(self) -> float: ...
+
+
+class CudaCopy:
+    """A pinned host scalar and the event recorded after the copy into it, on the loss's current stream."""
+
+    def __init__(self) -> None:
+        self.host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        self.event = torch.cuda.Event()
+
+    def start(self, loss: torch.Tensor) -> None:
+        self.host.copy_(loss, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(loss.device))  # the copy's stream, whichever device is current
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def value(self) -> float:
+        return self.host.item()  # a host tensor: no device involved
+
+
+class DeferredLoss:
+    """put() each step's loss; `latest` is the newest one read. `make` builds a Copy (None: read at once)."""
+
+    def __init__(self, make: Callable[[], Copy] | None = None) -> None:
+        self._make = make
+        self._pending: deque[Copy] = deque()
+        self._free: list[Copy] = []
+        self.latest: float | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> DeferredLoss:
+        return cls(CudaCopy if device.type == "cuda" else None)
+
+    def put(self, loss: torch.Tensor) -> float | None:
+        """Start reading a step's loss (a scalar tensor); returns `latest` after taking what has arrived."""
+        if self._make is None:
+            self.latest = loss.item()
+            return self.latest
+        pending = self._pending
+        if len(pending) >= MAX_PENDING:  # stream order: its copy lands before the one reusing it
+            self._free.append(pending.popleft())
+        copy = self._free.pop() if self._free else self._make()
+        copy.start(loss)
+        pending.append(copy)
+        return self.poll()
+
+    def poll(self) -> float | None:
+        """Take every loss that has arrived (in step order, without waiting); returns `latest`."""
+        pending = self._pending
+        while pending and pending[0].done():
+            copy = pending.popleft()
+            self.latest = copy.value()
+            self._free.append(copy)
+        return self.latest
+
+    def last(self) -> float | None:
+        """The last loss put, exactly: waits for its copy if it is still on its way."""
+        pending = self._pending
+        if pending:
+            copy = pending[-1]
+            copy.wait()
+            self.latest = copy.value()
+            self._free.extend(pending)
+            pending.clear()
+        return self.latest

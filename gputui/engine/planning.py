@@ -1,0 +1,368 @@
+"""fit's what-if planner: the predicted peak of each remedy that applies now, and the micro-batch that fits.
+
+Predictions are made on demand (the user opens the planner, an OOM, a step peak near capacity), never
+continuously, at a step boundary on the training thread: a tracing thread beside training slowed the
+step 19x in the study (the GIL passed back and forth each op). One boundary traces for at most
+BOUNDARY_S; the rest of a table waits for the next ones, so a step is never held long. Each prediction
+is cached by (setting, batch shapes). The prediction for the setting in use is compared with the step
+peak then measured and the difference (allocator rounding, workspaces the trace cannot see) is added
+to every prediction as `correction`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import plan
+from ..telemetry.controls import AMP_MODES, Control
+from ..units import format_bytes
+from .microbatch import sizes
+
+FIT_AT = 0.9
+"""A prediction fits below this share of a device's capacity: the margin covers what a trace cannot see
+(fragmentation, workspaces beyond the correction); FSDP's prevention halves at the same line."""
+FIT_AT_TRACKED = 0.98
+"""The same under a CPU budget, which is checked against the count the trace predicts exactly."""
+NEAR_CAPACITY = 0.85
+"""A measured step peak past this share of capacity plans ahead (once per setting and batch shape)."""
+BOUNDARY_S = 0.5
+"""Tracing stops at a boundary once it has taken this long; the table goes on at the next one."""
+ASKED_S = 2.0
+"""The same for a table the user asked for and waits on (a T5's trace takes 0.6 s: one row a step was slow)."""
+RECALIBRATE = 0.01
+"""A correction that moved by more than this share of the measured peak since the last table sends it again."""
+PICK_TRACES = 8
+"""At most this many predictions to find the largest micro-batch that fits (it is found in 3-4)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    micro_batch: int
+    amp: str
+    checkpointing: bool
+
+
+@dataclass(frozen=True)
+class Row:
+    """One option of the table: a remedy, its key on the screen, and the setting it would run."""
+
+    remedy: str
+    key: str | None
+    setting: Setting
+
+
+_KEYS = {"halve": "b", "double": "B", "amp": "a", "checkpointing": "c"}
+
+
+class _Later(Exception):
+    """This boundary's tracing time is spent: the rest of the table waits for the next one."""
+
+
+class NoPrediction(Exception):
+    """Nothing to predict with: the step cannot be traced and no step has been measured to estimate from."""
+
+
+class Planner:
+    """Predictions for one fit run. `settings()` is the setting in use, `capacity()` what the run may
+    use (None: unknown), `emit` the session's. Every call is made on the training thread."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: Callable[[nn.Module, Any], torch.Tensor],
+        device: torch.device,
+        *,
+        tracked: bool,
+        checkpoint_modules: Any,
+        checkpointing_unavailable: str | None,
+        blocks: int,
+        min_micro_batch: int,
+        amp_unsupported: Callable[[str], str | None],
+        emit: Callable[..., None],
+    ) -> None:
+        self.model, self.optimizer, self.step, self.device = model, optimizer, step, device
+        self.tracked = tracked
+        self.fit_at = FIT_AT_TRACKED if tracked else FIT_AT
+        self.checkpoint_modules = checkpoint_modules
+        self.checkpointing_unavailable = checkpointing_unavailable
+        self.blocks = blocks
+        self.min_micro_batch = min_micro_batch
+        self.amp_unsupported = amp_unsupported
+        self.emit = emit
+        self.correction = 0
+        self.measured: int | None = None
+        self._cache: dict[tuple[Setting, Hashable, int], plan.Prediction] = {}
+        self.untraceable: str | None = None
+        self._breakdown: dict[str, int] | None = None  # a measured step's, for estimates
+        self._measured_setting: Setting | None = None
+        self._pending: tuple[str, Control | None] | None = None  # (trigger, the request) of a table under way
+        self._planned: set[tuple[Setting, Hashable, int]] = set()  # settings whose table was made (near capacity: once)
+        self._deadline: float | None = None  # while a table is traced at a boundary
+        self._entries = len(optimizer.state)  # the optimizer's state entries at the last measured step
+        self._said_correction: int | None = None  # the correction the last complete table carried
+
+    # -- single predictions -----------------------------------------------------------------
+    def prediction(self, setting: Setting, batch: Any, shapes: Hashable) -> plan.Prediction | None:
+        """The cached or new prediction for `setting` on a batch of `shapes`; None when the step cannot
+        be traced and no step has been measured yet to estimate from."""
+        key = self._key(setting, shapes)
+        found = self._cache.get(key)
+        if found is not None:
+            return found
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise _Later
+        prediction = None
+        if self.untraceable is None:
+            try:
+                prediction = plan.predict(
+                    self.model,
+                    self.optimizer,
+                    batch,
+                    self.step,
+                    micro_batch=setting.micro_batch,
+                    amp=setting.amp,
+                    checkpointing=setting.checkpointing,
+                    device=self.device,
+                    checkpoint_modules=self.checkpoint_modules,
+                    min_micro_batch=self.min_micro_batch,
+                )
+            except plan.Untraceable as exc:
+                self.untraceable = str(exc)
+            except Exception as exc:  # the model's code on fake tensors: whatever it raises, training goes on
+                self.untraceable = f"the step cannot be traced ({plan.line(exc)})"
+        if prediction is None:
+            if self._breakdown is None or self._measured_setting is None:
+                return None
+            m = self._measured_setting
+            prediction = plan.estimate(
+                self._breakdown,
+                m.micro_batch,
+                m.amp,
+                m.checkpointing,
+                micro_batch=setting.micro_batch,
+                amp=setting.amp,
+                checkpointing=setting.checkpointing,
+                blocks=self.blocks,
+                reason=self.untraceable or "not traced",
+            )
+        self._cache[key] = prediction
+        return prediction
+
+    def _key(self, setting: Setting, shapes: Hashable) -> tuple[Setting, Hashable, int]:
+        """What a step's peak depends on: the setting, the batch's shapes, and whether the optimizer has
+        made its state yet (before its first step the peak is where it makes it; after, it is held)."""
+        return setting, shapes, len(self.optimizer.state)
+
+    def peak(self, prediction: plan.Prediction) -> int:
+        """A prediction as the run would measure it: the peak it is checked against, corrected."""
+        return prediction.bytes_for(self.tracked) + (self.correction if prediction.exact else 0)
+
+    def fits(self, prediction: plan.Prediction, capacity: int | None) -> bool | None:
+        return None if capacity is None else self.peak(prediction) <= self.fit_at * capacity
+
+    # -- the loop's calls -------------------------------------------------------------------
+    def step_measured(self, setting: Setting, shapes: Hashable, peak: int | None, breakdown: dict[str, int]) -> None:
+        """After each step: the calibration. Cheap when nothing was predicted for this setting."""
+        entries = len(self.optimizer.state)
+        if peak is None or entries != self._entries:  # the step that made the optimizer's state: not steady
+            self._entries = entries
+            return
+        self.measured, self._measured_setting, self._breakdown = peak, setting, breakdown
+        predicted = self._cache.get(self._key(setting, shapes))
+        if predicted is not None and predicted.exact:
+            self.correction = peak - predicted.bytes_for(self.tracked)
+            said = self._said_correction
+            if said is not None and abs(self.correction - said) > RECALIBRATE * peak:
+                self.ask("calibrated")  # the table again, with what the run measured (cached: no trace)
+
+    def near_capacity(self, setting: Setting, shapes: Hashable, peak: int | None, capacity: int | None) -> bool:
+        """True (once per setting and shape) when a measured peak calls for a table."""
+        if peak is None or not capacity or peak < NEAR_CAPACITY * capacity:
+            return False
+        return self._key(setting, shapes) not in self._planned
+
+    def ask(self, trigger: str, control: Control | None = None) -> None:
+        """Make the table at the next boundaries; a request waiting for its answer keeps it."""
+        if control is None and self._pending is not None and self._pending[1] is not None:
+            return
+        self._pending = (trigger, control)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def planned(self) -> bool:
+        """A table was made this run (so the screen shows one that a new setting makes stale)."""
+        return bool(self._planned)
+
+    def work(self, now: Setting, batch: Any, shapes: Hashable, total: int, capacity: int | None) -> None:
+        """At a boundary: trace the table's rows for up to BOUNDARY_S, emit what is known."""
+        if self._pending is None:
+            return
+        trigger, control = self._pending
+        options: list[dict[str, Any]] = []
+        complete = True
+        self._deadline = time.monotonic() + (ASKED_S if control is not None else BOUNDARY_S)
+        try:
+            for row in self.rows(now, total):
+                try:
+                    if row.remedy == "best":
+                        best = self._best(now, batch, shapes, total, capacity)
+                        if best is None:
+                            continue
+                        row = Row("best", None, best)
+                    prediction = self.prediction(row.setting, batch, shapes)
+                except _Later:
+                    prediction = None
+                if prediction is None:  # later, or once a step is measured to estimate from
+                    complete = False
+                    continue
+                option = self.option(row, prediction, total, capacity)
+                if row.remedy == "best" and row.setting == now:
+                    option["label"] += " (as now)"
+                options.append(option)
+        finally:
+            self._deadline = None
+        # Rows as they come (a screen fills in); the request is answered by the complete table.
+        self.emit(
+            "plan",
+            control if complete else None,
+            trigger=trigger,
+            options=options,
+            capacity=capacity,
+            correction=self.correction,
+            measured=self.measured,
+            tracked=self.tracked,
+            complete=complete,
+        )
+        if complete:
+            self._pending = None
+            self._planned.add(self._key(now, shapes))
+            self._said_correction = self.correction
+
+    def rows(self, now: Setting, total: int) -> list[Row]:
+        """The remedies that apply to `now`: the setting itself, each key's, and the best fit."""
+        mb, floor = now.micro_batch, self.min_micro_batch
+        rows = [Row("now", None, now)]
+        if mb > floor:
+            rows.append(Row("halve", "b", Setting(max(mb // 2, floor), now.amp, now.checkpointing)))
+        if mb < total:
+            rows.append(Row("double", "B", Setting(min(mb * 2, total), now.amp, now.checkpointing)))
+        for mode in AMP_MODES:
+            if mode != now.amp and self.amp_unsupported(mode) is None:
+                rows.append(Row("amp", "a", Setting(mb, mode, now.checkpointing)))
+        if self.checkpointing_unavailable is None:
+            rows.append(Row("checkpointing", "c", Setting(mb, now.amp, not now.checkpointing)))
+        rows.append(Row("best", None, now))
+        return rows
+
+    def option(self, row: Row, prediction: plan.Prediction, total: int, capacity: int | None) -> dict[str, Any]:
+        s = row.setting
+        return {
+            "remedy": row.remedy,
+            "key": row.key,
+            "label": label(row.remedy, s, len(sizes(total, s.micro_batch, self.min_micro_batch))),
+            "micro_batch": s.micro_batch,
+            "accumulation": len(sizes(total, s.micro_batch, self.min_micro_batch)),
+            "amp": s.amp,
+            "checkpointing": s.checkpointing,
+            "peak": self.peak(prediction),
+            "predicted": prediction.bytes_for(self.tracked),
+            "phase": prediction.phase,
+            "exact": prediction.exact,
+            "reason": prediction.reason,
+            "fits": self.fits(prediction, capacity),
+            "seconds": round(prediction.seconds, 3),
+            "breakdown": dict(prediction.breakdown),
+        }
+
+    def _best(self, now: Setting, batch: Any, shapes: Hashable, total: int, capacity: int | None) -> Setting | None:
+        """The largest micro-batch predicted to fit as now; failing that, with checkpointing, then AMP."""
+        if capacity is None:
+            return None
+        ck_options = [now.checkpointing] + ([True] if self.checkpointing_unavailable is None else [])
+        amp_options = [now.amp] + [m for m in ("bf16", "fp16") if m != now.amp and self.amp_unsupported(m) is None][:1]
+        try:
+            for amp in amp_options:
+                for ck in dict.fromkeys(ck_options):
+                    found = self.largest(amp, ck, self.min_micro_batch, total, batch, shapes, capacity)
+                    if found is not None:
+                        return Setting(found, amp, ck)
+        except NoPrediction:
+            pass
+        return None
+
+    def largest(self, amp: str, ck: bool, lo: int, hi: int, batch: Any, shapes: Hashable, capacity: int) -> int | None:
+        """The largest micro-batch in [lo, hi] predicted to fit; None: not even `lo`. NoPrediction: none made.
+        The peak grows about linearly with the micro-batch: the guess interpolates, then checks its neighbour."""
+
+        def peak(m: int) -> int:
+            p = self.prediction(Setting(m, amp, ck), batch, shapes)
+            if p is None:
+                raise NoPrediction
+            return self.peak(p)
+
+        limit = self.fit_at * capacity
+        p_hi = peak(hi)
+        if p_hi <= limit:
+            return hi
+        p_lo = peak(lo)
+        if p_lo > limit:
+            return None
+        for _ in range(PICK_TRACES):
+            if hi - lo <= 1:
+                break
+            guess = lo + int((limit - p_lo) * (hi - lo) / max(p_hi - p_lo, 1))
+            guess = min(max(guess, lo + 1), hi - 1)
+            p = peak(guess)
+            if p <= limit:
+                lo, p_lo = guess, p
+            else:
+                hi, p_hi = guess, p
+        return lo
+
+    def after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None) -> tuple[int, str] | None:
+        """The micro-batch to retry with after an OOM at `failed`, and why; None: halve as before.
+
+        The OOM teaches: a prediction at the failed size that says it fits was low by at least what it
+        missed capacity by, and the correction grows to say so."""
+        if capacity is None or failed.micro_batch <= self.min_micro_batch:
+            return None
+        p = self.prediction(failed, batch, shapes)
+        if p is None:
+            return None
+        if p.exact and self.peak(p) <= capacity:
+            self.correction = capacity - p.bytes_for(self.tracked) + 1
+        try:
+            found = self.largest(
+                failed.amp, failed.checkpointing, self.min_micro_batch, failed.micro_batch - 1, batch, shapes, capacity
+            )
+        except NoPrediction:
+            return None
+        if found is None:
+            return None
+        chosen = self.prediction(Setting(found, failed.amp, failed.checkpointing), batch, shapes)
+        assert chosen is not None
+        how = "predicted" if chosen.exact else "estimated"
+        peak = format_bytes(self.peak(chosen))
+        return found, f"{how} peak {peak} of {format_bytes(capacity)} at {found}: the largest that fits"
+
+
+def label(remedy: str, s: Setting, accumulation: int) -> str:
+    settings = f"{s.micro_batch}x{accumulation}"
+    if remedy in ("halve", "double"):
+        return f"micro-batch {settings}"
+    if remedy == "amp":
+        return f"AMP {s.amp}"
+    if remedy == "checkpointing":
+        return f"checkpointing {'on' if s.checkpointing else 'off'}"
+    extras = [x for x in (s.amp if s.amp != "off" else "", "ckpt" if s.checkpointing else "") if x]
+    return " ".join([settings, *extras]) if remedy == "best" else "as now"

@@ -1,0 +1,83 @@
+"""The loss read without waiting for the device (engine/deferred.py), driven on the CPU by copies that
+arrive late, as a GPU's would: samples carry the newest loss that arrived, fit returns the last one exactly."""
+
+import torch
+from helpers import ConvNet, conv_batches, conv_step
+
+import gputui
+from gputui.engine import deferred
+from gputui.engine.deferred import MAX_PENDING, DeferredLoss
+
+
+def late(steps: int):
+    """A Copy class whose copies arrive `steps` puts after they started (wait() makes one arrive now)."""
+    puts = [0]
+
+    class Late:
+        made = 0
+
+        def __init__(self) -> None:
+            Late.made += 1
+
+        def start(self, loss: torch.Tensor) -> None:
+            puts[0] += 1
+            self.at, self.loss, self.waited = puts[0], loss.item(), False
+
+        def done(self) -> bool:
+            return self.waited or puts[0] >= self.at + steps
+
+        def wait(self) -> None:
+            self.waited = True
+
+        def value(self) -> float:
+            return self.loss
+
+    return Late
+
+
+def test_each_loss_is_taken_once_it_arrives_in_order_and_the_last_is_waited_for():
+    copies = late(2)
+    losses = DeferredLoss(copies)
+    seen = [losses.put(torch.tensor(float(i))) for i in range(1, 6)]
+    assert seen == [None, None, 1.0, 2.0, 3.0]  # two steps late
+    assert losses.poll() == 3.0
+    assert losses.last() == 5.0 and losses.latest == 5.0 and losses.last() == 5.0
+    assert copies.made == 3  # the ones read are used again
+
+
+def test_a_device_far_behind_costs_a_bounded_number_of_copies():
+    copies = late(10_000)
+    losses = DeferredLoss(copies)
+    for i in range(3 * MAX_PENDING):
+        assert losses.put(torch.tensor(float(i))) is None
+    assert copies.made == MAX_PENDING
+    assert losses.last() == 3 * MAX_PENDING - 1
+
+
+def test_without_a_device_to_wait_for_each_loss_is_read_at_once():
+    losses = DeferredLoss.for_device(torch.device("cpu"))
+    assert losses.put(torch.tensor(2.5)) == 2.5 and losses.last() == 2.5
+
+
+def test_fit_publishes_the_losses_that_arrived_and_returns_the_last_one_exact(hub, monkeypatch):
+    def run(copies):
+        torch.manual_seed(0)
+        model = ConvNet()
+        losses = []
+
+        def step(model, batch):
+            loss = conv_step(model, batch)
+            losses.append(loss.item())
+            return loss
+
+        if copies is not None:
+            monkeypatch.setattr(deferred.DeferredLoss, "for_device", classmethod(lambda cls, device: cls(copies)))
+        start = len(hub.samples())
+        result = gputui.fit(model, conv_batches(6, 8), step, torch.optim.SGD(model.parameters(), lr=0.05))
+        return result, [s.loss for s in hub.samples()[start:]], losses
+
+    now, now_samples, computed = run(None)
+    later, later_samples, _ = run(late(1))
+    assert now_samples == computed
+    assert later_samples == [None, *computed[:-1]]  # each sample a step late on a device that lags
+    assert now.loss == later.loss == computed[-1]  # but the run's last loss is exact

@@ -1,0 +1,206 @@
+"""fit's planner: recovery that picks the micro-batch that fits, micro_batch="auto", and the plan table."""
+
+import copy
+
+import pytest
+import torch
+from helpers import ConvNet, RequestAt, assert_same_weights, conv_batches, conv_step
+from torch import nn
+from torch.nn import functional as F
+
+import gputui
+from gputui.engine import planning
+from gputui.plan import predict
+
+
+class Wide(nn.Module):
+    """Activations that grow with the micro-batch, over parameters that do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return self.head(x)
+
+
+def step(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def batches(n, size=64):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(size, 64, generator=g), torch.randint(0, 5, (size,), generator=g)) for _ in range(n)]
+
+
+def warmed():
+    """A model whose optimizer holds its state already (so every step's peak is the same)."""
+    torch.manual_seed(0)
+    model = Wide()
+    opt = torch.optim.Adam(model.parameters())
+    gputui.fit(model, batches(1), step, opt)
+    return model, opt
+
+
+def tracked(model, opt, batch, micro_batch):
+    return predict(model, opt, batch, step, micro_batch=micro_batch).tracked_peak
+
+
+def test_recovery_picks_a_micro_batch_that_fits_in_one_retry_where_halving_takes_two():
+    model, opt = warmed()
+    data = batches(3)
+    peaks = {m: tracked(model, opt, data[0], m) for m in (64, 32, 16)}
+    # A budget where 32 (the first halving) does not fit and 16 (the second) does, with room between.
+    budget = int((peaks[32] + peaks[16]) / 2 / planning.FIT_AT_TRACKED)
+    assert peaks[32] > budget > peaks[16] / planning.FIT_AT_TRACKED
+    ref, ref_opt = copy.deepcopy((model, opt))
+    result = gputui.fit(model, data, step, opt, memory_budget=budget)
+    recovered = [e for e in result.events if e.name == "oom_recovered"]
+    assert len(recovered) == 1 and result.ooms_recovered == 1
+    picked = recovered[0]["micro_batch_to"]
+    assert 16 < picked < 32
+    assert recovered[0]["reason"].startswith("predicted peak") and f"at {picked}:" in recovered[0]["reason"]
+    # the largest: one more sample would not fit
+    assert tracked(model, opt, data[0], picked + 1) > planning.FIT_AT_TRACKED * budget
+    assert result.steps == 3 and result.micro_batch == picked
+    for batch in data:  # the replay at the picked size trained what one plain step a batch trains
+        step(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_weights(model, ref)
+
+
+def test_recovery_halves_when_the_step_cannot_be_traced():
+    """A shape that depends on the data (a boolean mask) cannot be made on fake tensors: recovery halves."""
+
+    def masked(model, batch):
+        x, y = batch
+        keep = y >= 0  # every sample, but the trace cannot know how many
+        return F.cross_entropy(model(x[keep]), y[keep])
+
+    model, opt = warmed()
+    data = batches(2)
+    budget = int(tracked(model, opt, data[0], 40) / planning.FIT_AT_TRACKED)
+    result = gputui.fit(model, data, masked, opt, memory_budget=budget)
+    recovered = [e for e in result.events if e.name == "oom_recovered"]
+    assert recovered and recovered[0]["micro_batch_to"] == 32 and recovered[0]["reason"] == "halved"
+    assert result.steps == 2
+
+
+def test_a_step_that_reads_its_loss_is_traced_and_marked_approximate():
+    """Logging `loss.item()` in step() is common: the trace answers it with a stand-in, says so, and the
+    pick still fits at once."""
+
+    def logging(model, batch):
+        loss = step(model, batch)
+        print(f"loss {loss.item():.3f}")
+        return loss
+
+    model, opt = warmed()
+    data = batches(3)
+    budget = int(tracked(model, opt, data[0], 40) / planning.FIT_AT_TRACKED)
+    result = gputui.fit(model, data, logging, opt, memory_budget=budget)
+    recovered = [e for e in result.events if e.name == "oom_recovered"]
+    assert len(recovered) == 1 and recovered[0]["reason"].startswith("estimated peak")
+    assert 32 < recovered[0]["micro_batch_to"] <= 40 and result.steps == 3
+    assert predict(model, opt, data[0], logging).reason.startswith("the step read 1 tensor value(s) (.item()")
+
+
+def test_auto_micro_batch_starts_at_the_largest_that_fits():
+    model, opt = warmed()
+    data = batches(3)
+    budget = int(tracked(model, opt, data[0], 24) / planning.FIT_AT_TRACKED) + 1
+    result = gputui.fit(model, data, step, opt, memory_budget=budget, micro_batch="auto")
+    changed = [e for e in result.events if e.name == "micro_batch_changed"]
+    assert changed and changed[0]["from"] == 64 and changed[0]["reason"].startswith("auto: predicted peak")
+    assert changed[0]["to"] == result.micro_batch == 24
+    assert result.ooms_recovered == 0 and result.steps == 3
+
+
+def test_auto_micro_batch_without_a_capacity_trains_the_whole_batch():
+    model, opt = warmed()
+    result = gputui.fit(model, batches(2), step, opt, micro_batch="auto")
+    changed = [e for e in result.events if e.name == "micro_batch_changed"]
+    assert changed[0]["to"] == 64 and "capacity is unknown" in changed[0]["reason"]
+    assert result.micro_batch == 64
+
+
+def test_the_plan_control_is_answered_with_every_remedy_and_the_measured_step_agrees(hub):
+    model, opt = warmed()
+    data = batches(4)
+    budget = 64 * 2**20
+    hub.add_sink(RequestAt(hub, 1, "plan"))
+    result = gputui.fit(model, data, step, opt, memory_budget=budget, micro_batch=32)
+    plans = [e for e in result.events if e.name == "plan"]
+    assert len(plans) == 1
+    plan = plans[0]
+    assert plan["trigger"] == "asked" and plan["complete"] and plan["capacity"] == budget and plan["tracked"]
+    rows = {(o["remedy"], o["amp"], o["checkpointing"], o["micro_batch"]): o for o in plan["options"]}
+    assert set(rows) == {
+        ("now", "off", False, 32),
+        ("halve", "off", False, 16),
+        ("double", "off", False, 64),
+        ("amp", "bf16", False, 32),
+        ("amp", "fp16", False, 32),
+        ("checkpointing", "off", True, 32),
+        ("best", "off", False, 64),  # the whole batch fits the budget
+    }
+    now = rows["now", "off", False, 32]
+    assert now["exact"] and now["fits"] and now["accumulation"] == 2 and now["key"] is None
+    assert (
+        rows["halve", "off", False, 16]["key"] == "b" and rows["halve", "off", False, 16]["label"] == "micro-batch 16x4"
+    )
+    # the prediction for the setting in use is what the next steps measured (the tracker's count)
+    peaks = [s.memory.peak for s in hub.samples() if s.step > 1]
+    assert peaks and all(p == now["predicted"] for p in peaks)
+    assert result.steps == 4
+
+
+def test_a_plan_is_made_ahead_when_the_step_peak_nears_capacity():
+    model, opt = warmed()
+    data = batches(3)
+    budget = int(tracked(model, opt, data[0], 64) / 0.95)  # the peak at 95 %: past NEAR_CAPACITY, fits
+    result = gputui.fit(model, data, step, opt, memory_budget=budget)
+    plans = [e for e in result.events if e.name == "plan"]
+    assert [p["trigger"] for p in plans] == ["near_capacity"]  # once per setting, not every step
+    assert result.ooms_recovered == 0
+
+
+def test_a_planner_that_fails_halves_and_training_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(planning.Planner, "after_oom", broken)
+    model, opt = warmed()
+    data = batches(2)
+    budget = int(tracked(model, opt, data[0], 40) / planning.FIT_AT_TRACKED)
+    result = gputui.fit(model, data, step, opt, memory_budget=budget)
+    assert [e["micro_batch_to"] for e in result.events if e.name == "oom_recovered"] == [32]
+    errors = [e for e in result.events if e.name == "error"]
+    assert errors and "planner bug" in errors[0]["message"]
+    assert result.steps == 2
+
+
+@pytest.mark.parametrize("micro_batch", [0, -1, "big", True])
+def test_micro_batch_must_be_positive_or_auto(micro_batch):
+    with pytest.raises(ValueError, match="micro_batch"):
+        gputui.fit(
+            ConvNet(), conv_batches(1, 4), conv_step, torch.optim.SGD(ConvNet().parameters()), micro_batch=micro_batch
+        )
+
+
+def test_a_remedy_after_a_plan_plans_again_for_the_new_setting(hub):
+    model, opt = warmed()
+    hub.add_sink(RequestAt(hub, 1, "plan"))
+    hub.add_sink(RequestAt(hub, 2, "halve_batch"))
+    result = gputui.fit(model, batches(5), step, opt, memory_budget=64 * 2**20, micro_batch=32)
+    plans = [e for e in result.events if e.name == "plan"]
+    assert [p["trigger"] for p in plans] == ["asked", "changed"]
+    now = [next(o for o in p["options"] if o["remedy"] == "now") for p in plans]
+    assert [o["micro_batch"] for o in now] == [32, 16]
+    # the first table's measured peak is the step before it was asked for: its calibration line has a figure
+    assert plans[0]["measured"] is not None and plans[0]["measured"] > 0
