@@ -206,7 +206,7 @@ def markdown(r: dict[str, Any]) -> str:
             "",
             "| | ms: median (min-max) |",
             "| --- | --- |",
-            f"| OOM raised to `oom_recovered` (frames dropped, gradients dropped, gc + malloc_trim, RNG restored) | "
+            f"| OOM raised to `oom_recovered` (frames dropped, gradients dropped, young garbage collected, the planner's pick, RNG restored) | "
             f"{harness.spread(b['oom_to_recovered_ms'])} |",
             f"| OOM raised to the next completed step (the batch replayed as 16 x 2) | {harness.spread(b['oom_to_next_step_ms'])} |",
             f"| an ordinary step at 16 x 2, for comparison | {harness.spread(b['normal_step_ms'])} |",

@@ -1215,7 +1215,7 @@ class _Trainer:
                 return self.min_micro_batch, "auto: no micro-batch is predicted to fit, so the smallest"
             chosen = planner.prediction(self._setting(found), batch, shapes(batch))
         except NoPrediction:
-            return total, f"auto: no prediction ({self._get_planner().untraceable}), {whole}"
+            return total, f"auto: no prediction ({self._get_planner().untraceable(self._setting())}), {whole}"
         except Exception as exc:  # a bug of ours must not stop a run that would train
             return total, f"auto: the planner failed ({type(exc).__name__}: {exc}), {whole}"
         assert chosen is not None

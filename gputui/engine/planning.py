@@ -35,6 +35,9 @@ BOUNDARY_S = 0.5
 """Tracing stops at a boundary once it has taken this long; the table goes on at the next one."""
 ASKED_S = 2.0
 """The same for a table the user asked for and waits on (a T5's trace takes 0.6 s: one row a step was slow)."""
+OOM_S = 1.0
+"""Tracing after an OOM stops after this long and the micro-batch is halved instead (cached: an OOM at a
+batch shape seen before costs no trace)."""
 RECALIBRATE = 0.01
 """A correction that moved by more than this share of the measured peak since the last table sends it again."""
 PICK_TRACES = 8
@@ -99,7 +102,7 @@ class Planner:
         self.correction = 0
         self.measured: int | None = None
         self._cache: dict[tuple[Setting, Hashable, int], plan.Prediction] = {}
-        self.untraceable: str | None = None
+        self._untraceable: dict[tuple[str, bool], str] = {}  # (amp, checkpointing) whose step cannot be traced
         self._breakdown: dict[str, int] | None = None  # a measured step's, for estimates
         self._measured_setting: Setting | None = None
         self._pending: tuple[str, Control | None] | None = None  # (trigger, the request) of a table under way
@@ -107,6 +110,7 @@ class Planner:
         self._deadline: float | None = None  # while a table is traced at a boundary
         self._entries = len(optimizer.state)  # the optimizer's state entries at the last measured step
         self._said_correction: int | None = None  # the correction the last complete table carried
+        self._near: set[Setting] = set()  # settings whose peak came near capacity (planned once each)
 
     # -- single predictions -----------------------------------------------------------------
     def prediction(self, setting: Setting, batch: Any, shapes: Hashable) -> plan.Prediction | None:
@@ -119,7 +123,8 @@ class Planner:
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise _Later
         prediction = None
-        if self.untraceable is None:
+        mode = (setting.amp, setting.checkpointing)  # a step may trace as one and not as another
+        if mode not in self._untraceable:
             try:
                 prediction = plan.predict(
                     self.model,
@@ -134,9 +139,9 @@ class Planner:
                     min_micro_batch=self.min_micro_batch,
                 )
             except plan.Untraceable as exc:
-                self.untraceable = str(exc)
+                self._untraceable[mode] = str(exc)
             except Exception as exc:  # the model's code on fake tensors: whatever it raises, training goes on
-                self.untraceable = f"the step cannot be traced ({plan.line(exc)})"
+                self._untraceable[mode] = f"the step cannot be traced ({plan.line(exc)})"
         if prediction is None:
             if self._breakdown is None or self._measured_setting is None:
                 return None
@@ -150,10 +155,14 @@ class Planner:
                 amp=setting.amp,
                 checkpointing=setting.checkpointing,
                 blocks=self.blocks,
-                reason=self.untraceable or "not traced",
+                reason=self._untraceable.get(mode, "not traced"),
             )
         self._cache[key] = prediction
         return prediction
+
+    def untraceable(self, setting: Setting) -> str | None:
+        """Why `setting`'s step cannot be traced, if it cannot."""
+        return self._untraceable.get((setting.amp, setting.checkpointing))
 
     def _key(self, setting: Setting, shapes: Hashable) -> tuple[Setting, Hashable, int]:
         """What a step's peak depends on: the setting, the batch's shapes, and whether the optimizer has
@@ -184,9 +193,10 @@ class Planner:
 
     def near_capacity(self, setting: Setting, shapes: Hashable, peak: int | None, capacity: int | None) -> bool:
         """True (once per setting and shape) when a measured peak calls for a table."""
-        if peak is None or not capacity or peak < NEAR_CAPACITY * capacity:
+        if peak is None or not capacity or peak < NEAR_CAPACITY * capacity or setting in self._near:
             return False
-        return self._key(setting, shapes) not in self._planned
+        self._near.add(setting)  # once per setting: batches padded to their own length would plan at each
+        return True
 
     def ask(self, trigger: str, control: Control | None = None) -> None:
         """Make the table at the next boundaries; a request waiting for its answer keeps it."""
@@ -336,17 +346,23 @@ class Planner:
         missed capacity by, and the correction grows to say so."""
         if capacity is None or failed.micro_batch <= self.min_micro_batch:
             return None
+        self._deadline = time.monotonic() + OOM_S
+        try:
+            return self._after_oom(failed, batch, shapes, capacity)
+        except (_Later, NoPrediction):
+            return None
+        finally:
+            self._deadline = None
+
+    def _after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int) -> tuple[int, str] | None:
         p = self.prediction(failed, batch, shapes)
         if p is None:
             return None
         if p.exact and self.peak(p) <= capacity:
             self.correction = capacity - p.bytes_for(self.tracked) + 1
-        try:
-            found = self.largest(
-                failed.amp, failed.checkpointing, self.min_micro_batch, failed.micro_batch - 1, batch, shapes, capacity
-            )
-        except NoPrediction:
-            return None
+        found = self.largest(
+            failed.amp, failed.checkpointing, self.min_micro_batch, failed.micro_batch - 1, batch, shapes, capacity
+        )
         if found is None:
             return None
         chosen = self.prediction(Setting(found, failed.amp, failed.checkpointing), batch, shapes)

@@ -46,7 +46,9 @@ def _object(line: bytes, limit: int) -> dict[str, Any]:
     if len(line) > limit:
         raise ProtocolError(f"message of {len(line)} bytes exceeds the {limit}-byte limit")
     try:
-        data = json.loads(line)
+        # Decoded as UTF-8 here: json.loads(bytes) would guess UTF-16/32 too, and a UTF-16 line of ASCII
+        # bytes would carry what the escape walk strips past the plain-line check.
+        data = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
     except RecursionError:  # e.g. 2000 "[": the parser recurses per level
@@ -105,7 +107,13 @@ def parse_server(line: bytes) -> dict[str, Any]:
 
 
 def _plain(line: bytes) -> bool:
-    if not line.isascii() or b"\\" in line or b"\x7f" in line or line.count(b"{") + line.count(b"[") > MAX_DEPTH:
+    if (
+        not line.isascii()
+        or b"\\" in line
+        or b"\x7f" in line
+        or b"\x00" in line
+        or line.count(b"{") + line.count(b"[") > MAX_DEPTH
+    ):
         return False
     digits = line.translate(_DIGITS)
     for risky in _RISKY:

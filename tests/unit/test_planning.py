@@ -204,3 +204,23 @@ def test_a_remedy_after_a_plan_plans_again_for_the_new_setting(hub):
     assert [o["micro_batch"] for o in now] == [32, 16]
     # the first table's measured peak is the step before it was asked for: its calibration line has a figure
     assert plans[0]["measured"] is not None and plans[0]["measured"] > 0
+
+
+def test_a_setting_that_cannot_be_traced_leaves_the_others_exact(hub):
+    def picky(model, batch):  # a shape from the data, only under autocast
+        x, y = batch
+        if torch.is_autocast_enabled("cpu"):
+            keep = y >= 0
+            x, y = x[keep], y[keep]
+        return step(model, (x, y))
+
+    model, opt = warmed()
+    hub.add_sink(RequestAt(hub, 1, "plan"))
+    result = gputui.fit(model, batches(3), picky, opt, memory_budget=64 * 2**20, micro_batch=32)
+    plan = [e for e in result.events if e.name == "plan"][-1]
+    assert plan["complete"]
+    exact = {(o["remedy"], o["amp"]): o["exact"] for o in plan["options"]}
+    assert exact["now", "off"] and exact["halve", "off"] and exact["checkpointing", "off"]
+    assert not exact["amp", "bf16"] and not exact["amp", "fp16"]
+    amp = next(o for o in plan["options"] if o["remedy"] == "amp")
+    assert "depends on the data" in amp["reason"]

@@ -145,3 +145,16 @@ def test_server_strings_keep_newlines_only_in_a_report_and_lose_bidi_overrides()
 def test_server_numbers_python_cannot_handle_are_refused(number):
     with pytest.raises(ProtocolError):
         parse_server(b'{"v": 1, "kind": "step", "loss": ' + number + b"}")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-be", "utf-16-le", "utf-32-be"])
+def test_a_line_in_another_encoding_is_refused_not_guessed(encoding):
+    """json.loads(bytes) guesses UTF-16/32: a UTF-16 line of ASCII bytes slipped a bidi override, NaN and a
+    400-digit number past the plain-line check. Lines are UTF-8 JSON, nothing else."""
+    for body in (
+        '{"v": 1, "kind": "output", "lines": ["\u202eevil"]}',
+        '{"v": 1, "kind": "step", "step": 1, "loss": NaN}',
+        '{"v": 1, "kind": "step", "step": ' + "9" * 400 + "}",
+    ):
+        with pytest.raises(ProtocolError, match="not JSON"):
+            parse_server(body.encode(encoding) + b"\n")
