@@ -35,7 +35,7 @@ BOUNDARY_S = 0.5
 """Tracing stops at a boundary once it has taken this long; the table goes on at the next one."""
 ASKED_S = 2.0
 """The same for a table the user asked for and waits on (a T5's trace takes 0.6 s: one row a step was slow)."""
-OOM_S = 1.0
+OOM_S = 2.0
 """Tracing after an OOM stops after this long and the micro-batch is halved instead (cached: an OOM at a
 batch shape seen before costs no trace)."""
 RECALIBRATE = 0.01
@@ -64,7 +64,12 @@ _KEYS = {"halve": "b", "double": "B", "amp": "a", "checkpointing": "c"}
 
 
 class _Later(Exception):
-    """This boundary's tracing time is spent: the rest of the table waits for the next one."""
+    """The tracing time is spent: the rest of a table waits for the next boundary; a search says the
+    largest micro-batch it had found to fit by then (`fits`), if any."""
+
+    def __init__(self, fits: int | None = None) -> None:
+        super().__init__(fits)
+        self.fits = fits
 
 
 class NoPrediction(Exception):
@@ -327,16 +332,19 @@ class Planner:
         p_lo = peak(lo)
         if p_lo > limit:
             return None
-        for _ in range(PICK_TRACES):
-            if hi - lo <= 1:
-                break
-            guess = lo + int((limit - p_lo) * (hi - lo) / max(p_hi - p_lo, 1))
-            guess = min(max(guess, lo + 1), hi - 1)
-            p = peak(guess)
-            if p <= limit:
-                lo, p_lo = guess, p
-            else:
-                hi, p_hi = guess, p
+        try:
+            for _ in range(PICK_TRACES):
+                if hi - lo <= 1:
+                    break
+                guess = lo + int((limit - p_lo) * (hi - lo) / max(p_hi - p_lo, 1))
+                guess = min(max(guess, lo + 1), hi - 1)
+                p = peak(guess)
+                if p <= limit:
+                    lo, p_lo = guess, p
+                else:
+                    hi, p_hi = guess, p
+        except _Later:
+            raise _Later(lo) from None
         return lo
 
     def after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None) -> tuple[int, str] | None:
@@ -349,7 +357,12 @@ class Planner:
         self._deadline = time.monotonic() + OOM_S
         try:
             return self._after_oom(failed, batch, shapes, capacity)
-        except (_Later, NoPrediction):
+        except _Later as later:  # out of time: what was found to fit, if it beats halving
+            half = max(failed.micro_batch // 2, self.min_micro_batch)
+            if later.fits is None or later.fits < half:
+                return None
+            return later.fits, f"the largest predicted to fit that {OOM_S:g} s of tracing found ({later.fits})"
+        except NoPrediction:
             return None
         finally:
             self._deadline = None
@@ -360,9 +373,11 @@ class Planner:
             return None
         if p.exact and self.peak(p) <= capacity:
             self.correction = capacity - p.bytes_for(self.tracked) + 1
-        found = self.largest(
-            failed.amp, failed.checkpointing, self.min_micro_batch, failed.micro_batch - 1, batch, shapes, capacity
-        )
+        # Halving's size first: if it fits, the search is above it and a search cut short still beats halving.
+        half = max(failed.micro_batch // 2, self.min_micro_batch)
+        fits_half = self.largest(failed.amp, failed.checkpointing, half, half, batch, shapes, capacity) is not None
+        lo, hi = (half, failed.micro_batch - 1) if fits_half else (self.min_micro_batch, half - 1)
+        found = self.largest(failed.amp, failed.checkpointing, lo, hi, batch, shapes, capacity) if lo <= hi else None
         if found is None:
             return None
         chosen = self.prediction(Setting(found, failed.amp, failed.checkpointing), batch, shapes)

@@ -117,6 +117,8 @@ class ProgressLine:
     def on_event(self, event: Event) -> None:
         if self.quiet or event.name == "error":  # it surfaces as the exception fit() raises
             return
+        if event.name == "plan" and not event.get("complete", True):  # its rows still coming: the whole table once
+            return
         self._clear()
         self._write(f"gputui: step {event.step} | {describe(event)}\n")
 

@@ -186,3 +186,14 @@ def test_under_torchrun_each_rank_names_its_snapshots(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     paths = snapshot.dump(str(tmp_path), torch.device("cuda", 0), step=3, reason="oom")
     assert os.path.basename(paths["path"]).startswith(f"snapshot-{os.getpid()}-step3-oom-")
+
+
+def test_a_plan_whose_rows_are_still_coming_is_printed_once_whole():
+    from gputui.telemetry.sample import Event
+
+    out = io.StringIO()
+    line = ProgressLine(out)
+    details = {"trigger": "oom", "capacity": 2**20, "correction": 0, "tracked": True, "options": []}
+    line.on_event(Event("plan", 2, {**details, "complete": False}))
+    line.on_event(Event("plan", 3, {**details, "complete": True}))
+    assert out.getvalue() == "gputui: step 3 | plan: no remedy applies\n"
