@@ -77,7 +77,9 @@ def test_top_tensors_groups_roles_and_shared_storage():
     model(torch.randn(3, 256)).sum().backward()
     big = torch.zeros(1024, 1024)
     views = [big[:10], big[10:20]]  # share big's storage: it counts once
-    report = top_tensors(params=list(model.parameters()), grads=[p.grad for p in model.parameters()], limit=10_000)
+    # A budget no loaded CI machine reaches: what is checked here is the grouping (the budget has its own test).
+    grads = [p.grad for p in model.parameters()]
+    report = top_tensors(params=list(model.parameters()), grads=grads, limit=10_000, time_budget=60.0)
     rows = report["rows"]
     assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
     assert {
