@@ -59,41 +59,52 @@ def _top(e: Event) -> str:
     )
 
 
+def plan_rows(e: Event) -> list[Mapping[str, Any]]:
+    """A plan's options that are rows: one a newer peer or a buggy engine got wrong is skipped, as
+    the progress line, the TUI and ctl must not fail on it."""
+    options = e.get("options")
+    return [o for o in options if isinstance(o, Mapping)] if isinstance(options, list) else []
+
+
+def number(value: Any) -> float | None:
+    """`value` where it is a figure (not a bool), else None: a plan's figures are shown as "?" when not."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _plan(e: Event) -> str:
-    options = e["options"]
+    options = plan_rows(e)
     if not options:
         return "plan: no remedy applies"
     now = next((o for o in options if o.get("remedy") == "now"), None)
     best = next((o for o in options if o.get("remedy") == "best"), None)
-    capacity = e["capacity"]
+    capacity = number(e["capacity"])
     of = f" of {format_bytes(capacity)}" if capacity else ""
     parts = [f"plan ({len(options)} options{'' if e['complete'] else ', more coming'})"]
     if now:
-        parts.append(f"now {format_bytes(now.get('peak'))}{of}")
+        parts.append(f"now {format_bytes(number(now.get('peak')), missing='?')}{of}")
     if best:
-        parts.append(f"best {best.get('label', '?')}: {format_bytes(best.get('peak'))}")
+        parts.append(f"best {best.get('label', '?')}: {format_bytes(number(best.get('peak')), missing='?')}")
     return "; ".join(parts)
 
 
 def plan_lines(e: Event) -> list[str]:
     """A plan event's options, one line each (for `gputui ctl JOB plan`): key, remedy, predicted peak,
     its share of capacity and whether it fits, the phase of the peak, exact or why approximate."""
-    capacity = e.get("capacity")
+    capacity = number(e.get("capacity"))
     lines = []
-    for o in e.get("options") or []:
-        peak = o.get("peak")
+    for o in plan_rows(e):
+        peak = number(o.get("peak"))
         share = f"{peak / capacity:4.0%}" if capacity and peak is not None else "   -"
-        fits = {True: "fits", False: "does not fit", None: ""}.get(o.get("fits"), "")
+        fits = ("fits" if o["fits"] else "does not fit") if isinstance(o.get("fits"), bool) else ""
         how = "exact" if o.get("exact") else f"approx: {o.get('reason')}"
-        key = o.get("key") or "-"
+        key = str(o.get("key") or "-")
         lines.append(
-            f"  {key:<2} {o.get('label', '?'):<24} {format_bytes(peak):>10} {share} {fits:<13} "
+            f"  {key:<2} {str(o.get('label', '?')):<24} {format_bytes(peak, missing='?'):>10} {share} {fits:<13} "
             f"peak in {o.get('phase', '?')}, {how}"
         )
-    if e.get("correction"):
-        lines.append(
-            f"  (each includes a correction of {format_bytes(e['correction'])} measured on the setting in use)"
-        )
+    correction = number(e.get("correction"))
+    if correction:
+        lines.append(f"  (each includes a correction of {format_bytes(correction)} measured on the setting in use)")
     return lines
 
 

@@ -19,6 +19,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Static
 
+from ..telemetry.describe import number
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
 from ..units import format_bytes, format_figure
@@ -279,7 +280,7 @@ class PlannerScreen(Overlay):
         table: DataTable[str | Text] = self.query_one("#plan-table", DataTable)
         row = table.cursor_row
         table.clear()
-        capacity = plan.get("capacity") if plan is not None else None
+        capacity = number(plan.get("capacity")) if plan is not None else None
         for option in v.plan_options:
             table.add_row(*plan_cells(option, capacity, stale=not v.plan_fresh))
         if table.row_count:
@@ -308,9 +309,9 @@ def plan_status(v: RunView, planning: bool, watch_only: str | None) -> Text:
         else:
             text.append("No plan from the run yet.", style="bold")
     else:
-        capacity = plan.get("capacity")
+        capacity, trigger = number(plan.get("capacity")), str(plan.get("trigger", "?"))
         text.append(f"Plan at step {plan.step}", style="bold")
-        text.append(f" ({TRIGGERS.get(plan.get('trigger', ''), plan.get('trigger', '?'))})")
+        text.append(f" ({TRIGGERS.get(trigger, trigger)})")
         if capacity:
             budget = "CPU memory budget (gputui's tracker counts)" if plan.get("tracked") else "capacity"
             text.append(f" · {budget} {format_bytes(capacity)}")
@@ -343,54 +344,61 @@ def calibration(v: RunView) -> Text:
     every traced prediction carries."""
     plan = v.plan
     assert plan is not None
-    now, measured, correction = v.plan_option("now"), plan.get("measured"), plan.get("correction", 0)
+    now, measured, correction = v.plan_option("now"), number(plan.get("measured")), number(plan.get("correction")) or 0
     sign = "+" if correction >= 0 else ""
     text = Text().append("Calibration: ", style="bold")
     if measured is None or now is None:
         text.append(f"no step measured at these settings yet; correction {sign}{format_bytes(correction)}")
         return text
-    text.append(f"measured {format_bytes(measured)} vs predicted {format_bytes(now['predicted'])} as now")
-    ckpt = ", checkpointing" if now["checkpointing"] else ""
-    text.append(f" (micro-batch {now['micro_batch']} × {now['accumulation']}, AMP {now['amp']}{ckpt})")
+    predicted = format_bytes(number(now.get("predicted")), missing="?")
+    text.append(f"measured {format_bytes(measured)} vs predicted {predicted} as now")
+    ckpt = ", checkpointing" if now.get("checkpointing") else ""
+    batch = f"{now.get('micro_batch', '?')} × {now.get('accumulation', '?')}"
+    text.append(f" (micro-batch {batch}, AMP {now.get('amp', '?')}{ckpt})")
     text.append(f": {sign}{format_bytes(correction)} added to each traced prediction")
     text.append(" (allocator rounding, workspaces a trace cannot see)", style="dim")
     return text
 
 
-def plan_cells(o: Mapping[str, Any], capacity: int | None, *, stale: bool) -> list[Text]:
+def plan_cells(o: Mapping[str, Any], capacity: float | None, *, stale: bool) -> list[Text]:
     """A row of the planner's table; a stale plan's rows dimmed."""
 
     def cell(value: str, style: str = "", right: bool = False) -> Text:
         return Text(value, style="dim" if stale else style, justify="right" if right else "left")
 
-    remedy = {"now": "as now", "best": f"best fit: {o['label']}"}.get(o["remedy"], o["label"])
-    fits = o.get("fits")
-    share = cell(f"{o['peak'] / capacity:.0%}" if capacity else "–", right=True)
-    if fits is not None:
+    label, peak, fits, exact = str(o.get("label", "?")), number(o.get("peak")), o.get("fits"), o.get("exact")
+    remedy = {"now": "as now", "best": f"best fit: {label}"}.get(str(o.get("remedy")), label)
+    share = cell(f"{peak / capacity:.0%}" if capacity and peak is not None else "–", right=True)
+    if isinstance(fits, bool):
         share.append(" ✓" if fits else " ✗", style="" if stale else "bold green" if fits else "bold red")
-    how = "exact" if o["exact"] else "approx"
+    how = "exact" if exact else "approx"
     if o.get("reason"):
         how += f": {o['reason']}"
     return [
-        cell(o.get("key") or "", "bold"),
+        cell(str(o.get("key") or ""), "bold"),
         cell(remedy),
-        cell(f"{o['micro_batch']} × {o['accumulation']}"),
-        cell(o["amp"]),
-        cell("on" if o["checkpointing"] else "off"),
-        cell(("" if o["exact"] else "~") + format_bytes(o["peak"]), right=True),
+        cell(f"{o.get('micro_batch', '?')} × {o.get('accumulation', '?')}"),
+        cell(str(o.get("amp", "?"))),
+        cell("on" if o.get("checkpointing") else "off"),
+        cell(("" if exact else "~") + format_bytes(peak, missing="?"), right=True),
         share,
-        cell(o["phase"]),
-        cell(how, "" if o["exact"] else "yellow"),
+        cell(str(o.get("phase", "?"))),
+        cell(how, "" if exact else "yellow"),
     ]
 
 
 def breakdown(o: Mapping[str, Any]) -> Text:
     """Where the highlighted option's peak goes, and what it cost to predict."""
-    parts = [f"{name} {format_bytes(size)}" for name, size in o.get("breakdown", {}).items()]
-    text = Text().append(f"{o['label']}: ", style="bold")
+    sizes, seconds = o.get("breakdown"), number(o.get("seconds"))
+    parts = (
+        [f"{name} {format_bytes(number(size), missing='?')}" for name, size in sizes.items()]
+        if isinstance(sizes, Mapping)
+        else []
+    )
+    text = Text().append(f"{o.get('label', '?')}: ", style="bold")
     text.append(" · ".join(parts) or "no breakdown")
-    text.append(f" · before correction {format_bytes(o['predicted'])}", style="dim")
-    text.append(f" · predicted in {o['seconds']:.2f} s", style="dim")
+    text.append(f" · before correction {format_bytes(number(o.get('predicted')), missing='?')}", style="dim")
+    text.append(f" · predicted in {'?' if seconds is None else f'{seconds:.2f}'} s", style="dim")
     return text
 
 

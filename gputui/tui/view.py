@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
-from ..telemetry.describe import describe
+from ..telemetry.describe import describe, plan_rows
 from ..telemetry.history import RunSeries
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
@@ -347,23 +347,24 @@ class RunView:
         return (
             now is not None
             and s is not None
-            and (now["micro_batch"], now["amp"], now["checkpointing"]) == (s.micro_batch, s.amp, s.checkpointing)
+            and (now.get("micro_batch"), now.get("amp"), now.get("checkpointing"))
+            == (s.micro_batch, s.amp, s.checkpointing)
         )
 
     @property
     def plan_options(self) -> list[Mapping[str, Any]]:
-        """The latest plan's rows (empty before any)."""
-        return list(self.plan.get("options", ())) if self.plan else []
+        """The latest plan's rows (empty before any; a malformed one skipped)."""
+        return plan_rows(self.plan) if self.plan else []
 
     def plan_option(self, remedy: str) -> Mapping[str, Any] | None:
-        return next((o for o in self.plan_options if o["remedy"] == remedy), None)
+        return next((o for o in self.plan_options if o.get("remedy") == remedy), None)
 
     def predicted(self, key: str) -> Mapping[str, Any] | None:
         """The row a remedy key (b, B, a, c) would lead to, from a fresh plan; `a`'s is the mode it switches to."""
         if not self.plan_fresh:
             return None
         amp = self.next_amp()
-        return next((o for o in self.plan_options if o["key"] == key and (key != "a" or o["amp"] == amp)), None)
+        return next((o for o in self.plan_options if o.get("key") == key and (key != "a" or o.get("amp") == amp)), None)
 
     def next_amp(self) -> str:
         current = self.amp or "off"

@@ -15,6 +15,7 @@ from textual.widget import Widget
 from textual.widgets import Footer
 from textual.widgets._footer import FooterKey  # the footer's key widget: textual.widgets does not export it
 
+from ..telemetry.describe import number
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import GpuDevice, HostReading, Memory
 from ..units import format_bytes, format_bytes_short, format_duration, format_figure
@@ -495,9 +496,13 @@ class RemediesBar(RunPanel):
             o = self.view.predicted(k)
             if o is None:
                 continue
-            setting = {"a": o["amp"], "c": on_off(o["checkpointing"])}.get(k, f"{o['micro_batch']}×{o['accumulation']}")
-            text = Text().append(k, style="bold").append(f" {setting} {'' if o['exact'] else '~'}{size(o['peak'])}")
-            if o["fits"] is not None:
+            setting = {"a": o.get("amp"), "c": on_off(bool(o.get("checkpointing")))}.get(
+                k, f"{o.get('micro_batch', '?')}×{o.get('accumulation', '?')}"
+            )
+            peak = number(o.get("peak"))
+            text = Text().append(k, style="bold")
+            text.append(f" {setting} {'' if o.get('exact') else '~'}{'?' if peak is None else size(peak)}")
+            if isinstance(o.get("fits"), bool):
                 text.append(" ✓" if o["fits"] else " ✗", style="bold green" if o["fits"] else "bold red")
             entries.append(text)
         return entries
