@@ -324,8 +324,6 @@ class _Trace:
     """The fake copy of one run (model, optimizer, batch) and one step traced on it."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self.exact_reason: str | None = None
         self.device = device
         if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -335,6 +333,10 @@ class _Trace:
             self.exact_reason = "compiled model traced eagerly"
         if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
             raise Untraceable("sharded parameters (FSDP): each rank's step cannot be traced alone")
+        # Only now: making fake tensors imports torch._dynamo and torch._inductor (a second, and their exit
+        # handlers), which a run that cannot be traced should not pay.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.fakes: dict[int, torch.Tensor] = {}
         self._kept: list[torch.Tensor] = []
