@@ -1,16 +1,24 @@
 """The main screen's panels. Each is given what it shows (the RunView, the script's output) and
 renders from it; the screen asks each to redraw after a pull, which it does only when the key of
-what it shows (`shows()`) changed since it last drew."""
+what it shows (`shows()`) changed since it last drew. The charts' panels draw line by line (a
+LinePanel) and refresh only the lines that changed: a frame costs the same however long the run."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
+from itertools import groupby
+from operator import attrgetter
 
 from rich.console import Group, RenderableType
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
+from textual.geometry import Region, Size
+from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Footer
 from textual.widgets._footer import FooterKey  # the footer's key widget: textual.widgets does not export it
@@ -19,7 +27,7 @@ from ..telemetry.describe import number
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import GpuDevice, HostReading, Memory
 from ..units import format_bytes, format_bytes_short, format_duration, format_figure
-from .chart import Series, plot, smooth
+from .chart import Chart, Reader, Row, Series
 from .keys import BY_ACTION, KEYS, shown
 from .view import Ranks, RunView, share
 
@@ -76,8 +84,12 @@ class Panel(Widget):
         key = self.shows()
         if key != self._drawn:
             self._drawn = key
-            height = self.styles.height
-            self.refresh(layout=height is not None and height.is_auto)  # its lines may grow or shrink
+            self.repaint()
+
+    def repaint(self) -> None:
+        """Draw what the panel shows anew."""
+        height = self.styles.height
+        self.refresh(layout=height is not None and height.is_auto)  # its lines may grow or shrink
 
     def on_resize(self, event: events.Resize) -> None:
         self._retitle()  # a legend shortens on a narrow panel
@@ -95,7 +107,88 @@ class RunPanel(Panel):
         self.view = view
 
 
-class HeaderBar(RunPanel):
+class LinePanel(RunPanel):
+    """A panel drawn line by line (Textual's line API): each line kept as a Strip, made again only
+    when its text changed, and a redraw refreshes only the lines that changed (a chart gaining a
+    point changes a few). Its lines are Rich Text, or a chart's rows."""
+
+    def __init__(self, view: RunView, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self._items: list[Text | Row] = []  # what make_lines() gave, and the strips each made
+        self._made: list[list[Strip]] = []
+        self._strips: list[Strip] = []  # the panel's lines
+        self._made_at: tuple[Size, Style] | None = None  # content size and base style the strips were made at
+
+    def make_lines(self, width: int, height: int) -> list[Text | Row]:
+        """What the panel shows, top to bottom: a Text (one line or more) or a chart's row."""
+        raise NotImplementedError
+
+    def repaint(self) -> None:
+        if self._made_at != (self.content_size, self.visual_style.rich_style):
+            self.refresh()  # not drawn at this size yet: render_line makes every line
+            return
+        changed = self._update()
+        if changed:
+            width = self.content_size.width
+            self.refresh(*(Region(0, y, width, end - y) for y, end in changed))
+
+    def render(self) -> RenderableType:
+        """The lines as one renderable, for what reads a widget whole (its text in tests, a selection);
+        the screen draws the strips of render_line."""
+        size = self.content_size
+        lines = self.make_lines(size.width, size.height)
+        return Group(*(line if isinstance(line, Text) else Text.assemble(*line) for line in lines))
+
+    def render_line(self, y: int) -> Strip:
+        if self._made_at != (self.content_size, self.visual_style.rich_style):
+            self._update()
+        if y < len(self._strips):
+            return self._strips[y]
+        return Strip.blank(self.content_size.width, self.visual_style.rich_style)
+
+    def _update(self) -> list[tuple[int, int]]:
+        """Make the lines anew, reusing the strips of those whose text is the same: the spans
+        [start, end) of lines that changed."""
+        size, base = self.content_size, self.visual_style.rich_style
+        if self._made_at != (size, base):
+            self._made_at, self._items, self._made = (size, base), [], []
+        items = self.make_lines(size.width, size.height)
+        made = [
+            self._made[i] if i < len(self._items) and same(item, self._items[i]) else self._make(item, size.width)
+            for i, item in enumerate(items)
+        ]
+        strips = [strip for group in made for strip in group][: size.height]
+        old, self._items, self._made, self._strips = self._strips, items, made, strips
+        changed: list[tuple[int, int]] = []
+        for y in range(max(len(strips), len(old))):
+            if y < len(strips) and y < len(old) and strips[y] is old[y]:
+                continue
+            if changed and changed[-1][1] == y:
+                changed[-1] = (changed[-1][0], y + 1)
+            else:
+                changed.append((y, y + 1))
+        return changed
+
+    def _make(self, item: Text | Row, width: int) -> list[Strip]:
+        base = self.visual_style.rich_style
+        if isinstance(item, Text):  # as Textual renders a Rich renderable, in the widget's style
+            options = self.app.console_options.update(width=width, highlight=False)
+            return [Strip(line) for line in self.app.console.render_lines(item, options, style=base, pad=False)]
+        strip = Strip([Segment(text, base + style) for text, style in item])
+        return [strip.crop(0, width) if strip.cell_length > width else strip]
+
+
+_LOOK = attrgetter("style", "justify", "overflow", "no_wrap", "end")  # what a Text's == leaves out
+
+
+def same(a: Text | Row, b: Text | Row) -> bool:
+    """Whether two lines look the same (a Text's == compares only its characters and spans)."""
+    if isinstance(a, Text) and isinstance(b, Text):
+        return a == b and _LOOK(a) == _LOOK(b)
+    return a == b
+
+
+class HeaderBar(LinePanel):
     """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...)."""
 
     STATUS_STYLES = {
@@ -144,15 +237,19 @@ class HeaderBar(RunPanel):
     def shows(self) -> Hashable:
         return tuple(self.parts())
 
-    def render(self) -> RenderableType:
+    def make_lines(self, width: int, height: int) -> list[Text | Row]:
         text = Text(no_wrap=True, overflow="ellipsis")
         for _, part, style in self.parts():
             text.append(part, style=style)
-        return text
+        return [text]
 
 
-class MemoryPanel(RunPanel):
+class MemoryPanel(LinePanel):
     """The device's capacity as one bar, the figures beside it, and the run's memory history."""
+
+    def __init__(self, view: RunView, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self.chart = Chart(label=format_bytes_short)
 
     def shows(self) -> Hashable:
         return self.view.generation, self.view.samples_seen, self.view.ooms, self.view.exit_code
@@ -167,16 +264,15 @@ class MemoryPanel(RunPanel):
         lines.append(("tracked" if cpu else "allocated" if wide else "alloc", ALLOCATED))
         return legend("memory", lines)
 
-    def render(self) -> RenderableType:
+    def make_lines(self, width: int, height: int) -> list[Text | Row]:
         v = self.view
-        width, height = self.content_size.width, self.content_size.height
         m = v.latest.memory if v.latest else None
         if m is None:
             if v.exit_code is not None:
-                return Text("no training step: the script ended\nl shows what it printed", style="dim")
-            return Text("waiting for the first step…", style="dim")
+                return [Text("no training step: the script ended\nl shows what it printed", style="dim")]
+            return [Text("waiting for the first step…", style="dim")]
         host = v.latest.host if v.latest else None
-        lines: list[RenderableType] = [memory_bar(m, width, host)]
+        lines: list[Text | Row] = [memory_bar(m, width, host)]
         lines.extend(memory_figures(m, width, v.ooms, host))
         warning = memory_warning(m, width, remedies=not v.observed)
         if warning:
@@ -186,10 +282,12 @@ class MemoryPanel(RunPanel):
             h = v.series
             series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
             series += [Series(h.peak.values, PEAK, peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
-            top = m.capacity if m.capacity and m.capacity < 2 * max(h.peak.values or [0]) else None
-            lines.extend(plot(series, width, rows, low=0, high=top, label=format_bytes_short))
-            lines.append(axis(h.allocated.steps, width))
-        return Group(*lines)
+            self.chart.read(series, width)
+            peak = self.chart.span(len(series) - 2)[1]
+            top = m.capacity if m.capacity and m.capacity < 2 * max(peak, 0) else None
+            lines.extend(self.chart.draw(rows, low=0, high=top))
+            lines.append(axis(h.allocated.steps, width, self.chart.extent))
+        return lines
 
 
 def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
@@ -221,8 +319,8 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
         share = m.peak / capacity
         cells[min(count - 1, round(share * count))] = ("┃", "bold red" if share >= WARN_AT else "bold")
     text = Text(no_wrap=True)
-    for char, style in cells:
-        text.append(char, style=style)
+    for (char, style), run in groupby(cells):
+        text.append(char * len(list(run)), style=style)
     return text
 
 
@@ -290,11 +388,13 @@ def memory_warning(m: Memory, width: int, remedies: bool = True) -> str | None:
     return f"▲ peak at {share:.0%} of capacity: b, c or a"
 
 
-def axis(steps: list[int], width: int, gutter: int = 8) -> Text:
+def axis(steps: list[int], width: int, extent: int, gutter: int = 8) -> Text:
+    """The first and the last step under a chart, the last where its lines end (`extent` cells of
+    the plot: the whole width until they are squeezed to make room for more points)."""
     if not steps:
         return Text("")
     left, right = f"step {steps[0]}", f"{steps[-1]}"
-    pad = max(1, width - gutter - len(left) - len(right))
+    pad = max(1, min(width, gutter + extent) - gutter - len(left) - len(right))
     return Text(" " * gutter + left + " " * pad + right, style="dim", no_wrap=True)
 
 
@@ -381,22 +481,66 @@ def rank_lines(ranks: Ranks, width: int) -> list[Text]:
     return lines
 
 
-class LossPanel(RunPanel):
+class LossTrend:
+    """The loss panel's figures, extended by each new point (never recomputed over the whole run):
+    the smoothed line (an exponential moving average with bias correction, as TensorBoard smooths),
+    the lowest point, and the chart's top, the highest of the later 90% of the run (the first steps'
+    loss is often far above the rest: the part being trained now is not squashed flat)."""
+
+    def __init__(self, weight: float = 0.9) -> None:
+        self.weight = weight
+        self.reader = Reader()
+        self.raw: Sequence[float] = []
+        self.smoothed: list[float] = []
+        self.best = 0  # the lowest point's index (its first)
+        self._ema = 0.0
+        self._later: deque[int] = deque()  # the later 90%'s indices that may yet be its highest, values falling
+
+    def read(self, raw: Sequence[float]) -> None:
+        start = self.reader.read(raw)
+        if not start:  # a new list (the history halved, a new run): a new smoothed list too, for the chart
+            self.smoothed, self.best, self._ema = [], 0, 0.0
+            self._later.clear()
+        self.raw = raw
+        w = self.weight
+        for i in range(start, len(raw)):
+            v = raw[i]
+            self._ema = w * self._ema + (1 - w) * v
+            self.smoothed.append(self._ema / (1 - w ** (i + 1)))
+            if v < raw[self.best]:
+                self.best = i
+            while self._later and raw[self._later[-1]] <= v:
+                self._later.pop()
+            self._later.append(i)
+        while self._later and self._later[0] < len(raw) // 10:
+            self._later.popleft()
+
+    @property
+    def top(self) -> float | None:
+        """max(raw[len(raw) // 10:]), from 20 points on."""
+        return self.raw[self._later[0]] if len(self.raw) >= 20 else None
+
+
+class LossPanel(LinePanel):
+    def __init__(self, view: RunView, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self.trend = LossTrend()
+        self.chart = Chart()
+
     def shows(self) -> Hashable:
         return self.view.generation, self.view.samples_seen, self.view.exit_code
 
     def title(self) -> Text:
         return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
 
-    def render(self) -> RenderableType:
+    def make_lines(self, width: int, height: int) -> list[Text | Row]:
         v = self.view
-        width, height = self.content_size.width, self.content_size.height
         if not len(v.series.loss):
             ended = v.exit_code is not None
-            return Text("no loss was seen" if ended else "waiting for the first loss…", style="dim")
+            return [Text("no loss was seen" if ended else "waiting for the first loss…", style="dim")]
         raw = v.series.loss.values
-        smoothed = smooth(raw)
-        best = min(range(len(raw)), key=raw.__getitem__)
+        self.trend.read(raw)
+        smoothed, best = self.trend.smoothed, self.trend.best
         latest = v.latest.loss if v.latest and v.latest.loss is not None else raw[-1]
         head = [
             Text(f"{latest:.4g}", style="bold"),
@@ -405,15 +549,13 @@ class LossPanel(RunPanel):
         ]
         if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
             head.append(Text(f"from {v.latest.loss_source}", style="italic"))
-        lines: list[RenderableType] = list(flow(head, width))
+        lines: list[Text | Row] = list(flow(head, width))
         rows = height - len(lines) - 1
         if rows >= 2:
-            # The first steps' loss is often far above the rest: the top follows the later 90% of the
-            # run, so the part being trained now is not squashed flat (earlier points touch the top).
-            high = max(raw[len(raw) // 10 :]) if len(raw) >= 20 else None
-            lines.extend(plot([Series(raw, RAW), Series(smoothed, SMOOTHED)], width, rows, high=high))
-            lines.append(axis(v.series.loss.steps, width))
-        return Group(*lines)
+            self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
+            lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
+            lines.append(axis(v.series.loss.steps, width, self.chart.extent))
+        return lines
 
 
 OWN_LOOP_KEYS = (

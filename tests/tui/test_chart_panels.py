@@ -1,0 +1,77 @@
+"""The chart panels on the screen: a new step refreshes the few lines it changed, and the lines kept
+from earlier frames are the lines the panel would draw anew."""
+
+import io
+
+from fakes import GPUS, FrozenClock, cuda_run, cuda_sample
+from rich.console import Console
+
+from gputui.tui.app import GputuiApp
+from gputui.tui.sources import Update
+from gputui.tui.widgets import LinePanel
+
+
+def drawn(app) -> list[str]:
+    """The screen as the terminal shows it (styles included), one string a row."""
+    console = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), record=True)
+    console.print(app.screen._compositor.render_update(full=True))
+    return console.export_svg().splitlines()
+
+
+def refreshed_lines(app) -> dict[str, list[int]]:
+    """Each line panel's count of lines asked to repaint, per refresh (a whole refresh: its height)."""
+    counts: dict[str, list[int]] = {}
+    for panel in app.main.query(LinePanel):
+        refresh = panel.refresh
+
+        def counted(*regions, _panel=panel, _refresh=refresh, **kwargs):
+            lines = sum(r.height for r in regions) if regions else _panel.content_size.height
+            counts.setdefault(_panel.id, []).append(lines)
+            return _refresh(*regions, **kwargs)
+
+        panel.refresh = counted
+    return counts
+
+
+async def test_a_new_step_refreshes_only_the_lines_it_changed():
+    source = cuda_run()
+    info = source.update.info
+    app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        for step in (301, 302):  # 301: past the right edge of the charts drawn at once, so squeezed
+            source.update = Update([cuda_sample(step)], [], info, None, GPUS, runs=1)
+            app.pull()
+            await pilot.pause()
+        counts = refreshed_lines(app)
+        source.update = Update([cuda_sample(303)], [], info, None, GPUS, runs=1)
+        app.pull()
+        heights = {panel.id: panel.content_size.height for panel in app.main.query(LinePanel)}
+
+    assert counts["header"] == [1]
+    for panel in ("memory", "loss"):  # figures, the last columns' rows, the axis' last step
+        assert len(counts[panel]) == 1 and 0 < counts[panel][0] <= 6 < heights[panel]
+
+
+async def test_the_lines_kept_from_earlier_frames_are_the_lines_drawn_anew():
+    source = cuda_run(150)
+    info = source.update.info
+    app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        step = 150
+        for more in (1, 1, 3, 40, 1, 7, 0, 2):
+            source.update = Update(
+                [cuda_sample(s) for s in range(step + 1, step + more + 1)], [], info, None, GPUS, runs=1
+            )
+            step += more
+            app.pull()
+            await pilot.pause()
+        kept = drawn(app)
+        for panel in app.main.query(LinePanel):
+            panel._made_at = None  # every line made anew
+            panel.refresh()
+        await pilot.pause()
+        anew = drawn(app)
+
+    assert kept == anew
