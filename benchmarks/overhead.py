@@ -195,6 +195,9 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                     loop: harness.summary([r["cpu_pct"]["ui"] + r["cpu_pct"]["gputui threads"] for r in rs])
                     for loop, rs in runs.items()
                 },
+                "screen_cpu_pct": {
+                    loop: harness.summary([r["cpu_pct"].get("screen", 0.0) for r in rs]) for loop, rs in runs.items()
+                },
             }
     from workloads import make  # the descriptions (torch, only now)
 
@@ -210,9 +213,10 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"Device {r['device']}; each loop run {r['repetitions']} times, each run a fresh process, in turns "
         "(a b c, b c a, ...). Samples/s: median (min-max) over the runs; the ratio is of the medians, "
-        "and in brackets the median (min-max) of each turn's ratio to its own plain run. The last column is the "
-        "CPU (% of one core, median) used beside the training thread and torch's workers: the TUI's event loop "
-        "and gputui's telemetry thread.",
+        "and in brackets the median (min-max) of each turn's ratio to its own plain run. The last columns are the "
+        "CPU (% of one core, median) used beside the training thread and torch's workers: gputui's threads in the "
+        "training process (the telemetry servers, the main thread waiting for the screen), and the screen's own "
+        "process (`gputui run` draws in a child process).",
         "",
     ]
     for _model, w in r["workloads"].items():
@@ -220,16 +224,17 @@ def markdown(r: dict[str, Any]) -> str:
             f"**{w['description']}**: {w['steps']} timed steps after {w['warmup']} warm-up steps; "
             f"machine time stolen by the hypervisor during the runs: {harness.spread(w['steal_pct'], 2, '%')}.",
             "",
-            "| loop | samples/s | step (median, ms) | ratio to plain | CPU of gputui's threads |",
-            "| --- | --- | --- | --- | --- |",
+            "| loop | samples/s | step (median, ms) | ratio to plain | CPU of gputui's threads | CPU of the screen |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for loop in LOOPS:
             paired = w["paired_ratio"][loop]
             ratio = "1" if loop == "plain" else f"**{w['ratio'][loop]:.3f}** [{harness.spread(paired, 3)}]"
             other = w["other_cpu_pct"][loop]["median"]
+            screen = w.get("screen_cpu_pct", {}).get(loop, {}).get("median", 0.0)
             lines.append(
                 f"| {LABELS[loop]} | {harness.spread(w['samples_per_s'][loop])} | "
-                f"{harness.spread(w['step_ms'][loop])} | {ratio} | {other:.1f}% |"
+                f"{harness.spread(w['step_ms'][loop])} | {ratio} | {other:.1f}% | {screen:.1f}% |"
             )
         a = w["alternating"]
         lines += [

@@ -96,15 +96,21 @@ class Timed:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds so far of this process's threads, by role: the training thread (the caller), the
-    main thread when it is another one (the TUI's), gputui's other Python threads, and the rest
-    (torch's native worker threads)."""
+    main thread when it is another one (`gputui run`'s, waiting for its screen), gputui's other Python
+    threads, the rest (torch's native worker threads); and the screen's process (`gputui run`'s child)."""
     import threading
 
     import psutil
 
     me, main = threading.get_native_id(), threading.main_thread().native_id
     python = {t.native_id for t in threading.enumerate()}
-    out = {"training": 0.0, "ui": 0.0, "gputui threads": 0.0, "torch threads": 0.0}
+    out = {"training": 0.0, "ui": 0.0, "gputui threads": 0.0, "torch threads": 0.0, "screen": 0.0}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        out["screen"] += times.user + times.system
     for t in psutil.Process().threads():
         role = (
             "training"

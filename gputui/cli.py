@@ -212,7 +212,7 @@ def _run(options: argparse.Namespace) -> int:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 signal.signal(signal.SIGTERM, partial(_terminated, hub))
                 return run_script(options.script, options.args, observe=hub, output=hub.output.write)
-            from .tui.runner import run_tui
+            from .tui.local import run_tui
 
             return run_tui(hub, options.script, options.args, options.refresh)
         finally:

@@ -444,9 +444,12 @@ class _Trainer:
         """Apply every queued control; while paused, wait here. False: stop before the next step."""
         if self.dist is not None:
             return self._boundary_shared(self.dist)
-        if self.hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
+        hub = self.hub
+        if hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
             self._apply_queued()
             self.session.wait_while_paused(self._apply_queued, self._stopping)
+        if self._signal is None and hub.stop_signal is None:  # most boundaries: _stopping() has nothing to take
+            return self.stop_reason is None
         return not self._stopping()
 
     def _apply_queued(self) -> list[Control]:
@@ -657,13 +660,12 @@ class _Trainer:
         retries = 0
         try:
             while True:
+                size = self._micro_batch()
                 if self.tracker is not None:  # what this step saves for backward depends on these alone
                     self._shapes = shapes(batch)
-                    self.tracker.start_step(
-                        (self._micro_batch(), self.precision.mode, self.checkpointing.enabled, self._shapes)
-                    )
+                    self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, self._shapes))
                 self.probe.start_step()
-                oom = self._attempt(batch, self._baseline)
+                oom = self._attempt(batch, size, self._baseline)
                 if oom is None:
                     return True
                 self._drop_step()
@@ -673,27 +675,30 @@ class _Trainer:
         finally:
             self.generators.end()
 
-    def _attempt(self, batch: Any, allocated_before: int) -> OomInfo | None:
+    def _attempt(self, batch: Any, size: int, allocated_before: int) -> OomInfo | None:
+        """One try at a global batch in micro-batches of `size`; the OOM if it ran out of memory."""
         total = self.batch_size
-        size = self._micro_batch()
         pieces = split(batch, size, total, self.min_micro_batch)
         count = len(pieces)
         if count > 1 and not self._said_batch_norm:
             self._say_batch_norm(size)
         scaler = self.precision.scaler
         tracker = self.tracker
+        counting = tracker if tracker is not None and tracker.counting else None  # uncounted, nothing saved to free
         phase = "forward"
         try:
             loss_sum = None
             for i, piece in enumerate(pieces):
-                share = (size if i < count - 1 else total - size * (count - 1)) / total
                 phase = "forward"
                 loss = self._forward(piece)
                 phase = "backward"
-                weighted = loss * share if count > 1 else loss
+                if count == 1:  # most steps: the batch whole, its loss as it is
+                    weighted = loss
+                else:
+                    weighted = loss * ((size if i < count - 1 else total - size * (count - 1)) / total)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                if tracker is not None and tracker.counting:  # uncounted, nothing was saved: nothing to do
-                    tracker.end_micro_batch()
+                if counting is not None:
+                    counting.end_micro_batch()
                 detached = weighted.detach().float()
                 loss_sum = detached if loss_sum is None else loss_sum + detached
             del piece, loss, weighted
@@ -1034,13 +1039,14 @@ class _Trainer:
     def _forward(self, piece: Any) -> torch.Tensor:
         """One micro-batch's loss: on the device, under AMP, what it saves for backward counted."""
         piece = to_device(piece, self.device)
-        with self.precision.autocast():
-            if self.tracker is not None:
-                with self.tracker.saving():
-                    loss = self.step(self.model, piece)
-            else:
+        tracker = self.tracker
+        if self.precision.mode == "off" and (tracker is None or not tracker.counting):
+            loss = self.step(self.model, piece)  # most steps: no context to enter and leave
+        else:
+            with self.precision.autocast(), tracker.saving() if tracker is not None else nullcontext():
                 loss = self.step(self.model, piece)
-        self._check_loss(loss)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1):
+            self._check_loss(loss)  # says what is wrong
         return loss
 
     def _step_done(self, loss_sum: torch.Tensor, pieces: int) -> None:
@@ -1052,8 +1058,9 @@ class _Trainer:
             self.scheduler.step()
         self.loss = self._losses.put(loss_sum)  # no wait for the device (engine/deferred.py)
         self.accumulation = pieces
-        self.session.steps += 1
-        self.session.samples += self.batch_size
+        session = self.session
+        session.steps += 1
+        session.samples += self.batch_size
 
     def _optimizer_step(self) -> None:
         scaler = self.precision.scaler

@@ -25,7 +25,7 @@ from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
 from ..probes.tensors import top_training_tensors
 from ..telemetry.hub import Hub
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, Memory, StepSample, finite
+from ..telemetry.sample import Event, Memory, StepRecord, StepSample, finite
 from .fetched import Fetched
 from .oom import is_oom
 from .session import RunSession
@@ -75,6 +75,9 @@ class Observer:
 
     def on_sample(self, sample: StepSample) -> None:
         pass
+
+    def on_record(self, record: StepRecord) -> None:
+        pass  # given instead of on_sample's sample: fit's steps are not made into samples for nothing
 
     def on_event(self, event: Event) -> None:
         pass

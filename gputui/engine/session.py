@@ -28,7 +28,7 @@ from ..telemetry.controls import SUMMARY_NEEDS_CUDA, Control
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepSample, check_event
+from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepRecord, check_event
 from ..units import parse_size
 from .result import SettingsError
 
@@ -232,31 +232,19 @@ class RunSession:
         loss_source: str | None = None,
         ranks: tuple[RankMemory, ...] = (),
     ) -> Memory:
-        """Publish the step just counted (`steps`, `samples`) with memory after it; returns that memory."""
+        """Publish the step just counted (`steps`, `samples`) with memory after it; returns that memory.
+
+        What is published is a record of the figures (a tuple in StepSample's field order): the
+        sample is made by whoever reads it, if anyone does (sample.StepRecord)."""
         now = time.monotonic()
-        steps_per_s, samples_per_s = self._rate.add(now, self.steps, self.samples)
+        steps, samples = self.steps, self.samples
+        steps_per_s, samples_per_s = self._rate.add(now, steps, samples)
         memory = self.probe.read()
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
-        self.hub.publish(
-            StepSample(
-                t=time.time(),
-                step=self.steps,
-                epoch=epoch,
-                loss=loss,
-                batch_size=batch_size,
-                micro_batch=micro_batch,
-                accumulation=accumulation,
-                amp=amp,
-                checkpointing=checkpointing,
-                samples_per_s=samples_per_s,
-                memory=memory,
-                samples=self.samples,
-                host=self._host,
-                loss_source=loss_source,
-                steps_per_s=steps_per_s,
-                ranks=ranks,
-            )
+        fields = (time.time(), steps, epoch, loss, batch_size, micro_batch, accumulation, amp, checkpointing)
+        self.hub.publish_record(
+            StepRecord(fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks))
         )
         return memory
 

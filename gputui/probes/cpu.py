@@ -192,7 +192,11 @@ class StateTracker:
             self._counted = (self._shape, self.peak, self._started)
 
     def reset(self) -> None:
-        """After zero_grad(set_to_none=True), or after an OOM dropped everything of the step."""
+        """After zero_grad(set_to_none=True), or after an OOM dropped everything of the step. A step not
+        counted changed no count (nothing saved, its gradients not counted): the gradients that outlive
+        zero_grad are the ones the last counted step's reset found, and nothing is walked."""
+        if not self.counting:
+            return
         if len(self._saved) != self._keys:
             self._free_activations()
         self.sync_grads()

@@ -40,15 +40,19 @@ MAX_WELCOME = 10_000
 
 
 class Connection:
-    def __init__(self, path: str, *, control: bool = False, timeout: float | None = 5.0) -> None:
+    def __init__(
+        self, path: str, *, control: bool = False, timeout: float | None = 5.0, sock: socket.socket | None = None
+    ) -> None:
         """Connect (waiting for room in a full backlog, CONNECT_WAIT s at most); ForeignPeer if the
-        job runs as another user, another OSError if it cannot be reached."""
+        job runs as another user, another OSError if it cannot be reached. `sock`: connected already
+        (`gputui run`'s screen is started with one end of a socket pair)."""
         self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = sock or socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._timeout = timeout
         self._ids = itertools.count(1)
         try:
-            self._connect(CONNECT_WAIT if timeout is None else timeout)
+            if sock is None:
+                self._connect(CONNECT_WAIT if timeout is None else timeout)
             check_peer(self.sock)
             self.sock.settimeout(timeout)
             self._file = self.sock.makefile("rb")
@@ -298,14 +302,27 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
 class Mirror:
     """A job's telemetry replayed into a local Hub, reconnecting until the job is gone."""
 
-    def __init__(self, path: str, pid: int | None, *, control: bool = False, retry: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        pid: int | None,
+        *,
+        control: bool = False,
+        retry: float = 1.0,
+        sock: socket.socket | None = None,
+    ) -> None:
+        """`sock`: a connection made already, served once (`gputui run`'s screen): when it ends, so has
+        the job."""
         self.path, self.pid, self.control, self.retry = path, pid, control, retry
+        self._sock = sock
         self.hub = Hub()
         self.history: dict[str, tuple[list[int], list[float], int]] | None = None
         self.generation = 0  # bumped on every (re)connection: the view starts over from the welcome
         self.printed = 0  # lines of the job's output replayed, over all connections: a welcome repeats some
         self.status: str | None = "connecting…"
         self.ended = False
+        self.script_ended: Event | None = None  # the job's script has ended: its exit code and report
+        self.done = threading.Event()  # set once script_ended is, or the job is gone
         self._conn: Connection | None = None
         self._acks: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._lock = threading.Lock()
@@ -344,14 +361,21 @@ class Mirror:
         return int(record["request_id"])
 
     def _run(self) -> None:
+        try:
+            self._connections()
+        finally:
+            self.done.set()
+
+    def _connections(self) -> None:
         while not self._stop.is_set():
             try:
-                conn = Connection(self.path, control=self.control, timeout=None)
+                conn = Connection(self.path, control=self.control, timeout=None, sock=self._sock)
             except ForeignPeer as exc:
                 self.ended, self.status = True, f"refused: {exc}"
                 return
             except OSError:
-                if not os.path.exists(self.path) or (self.pid is not None and not pid_alive(self.pid)):
+                gone = self._sock is not None or not os.path.exists(self.path)
+                if gone or (self.pid is not None and not pid_alive(self.pid)):
                     self.ended = True
                     self.status = self.status_when_gone()
                     return
@@ -369,6 +393,9 @@ class Mirror:
             finally:
                 self._conn = None
                 conn.close()
+            if self._sock is not None:  # served once: the job has gone
+                self.ended, self.status = True, self.status_when_gone()
+                return
             if not self._stop.is_set():
                 self.status = status
                 self._stop.wait(self.retry)
@@ -405,7 +432,11 @@ class Mirror:
             elif kind == "step":
                 hub.publish(StepSample.from_json(record))
             elif kind == "event":
-                hub.emit(Event.from_json(record))
+                event = Event.from_json(record)
+                hub.emit(event)
+                if event.name == "script_ended":
+                    self.script_ended = event
+                    self.done.set()
             elif kind == "end":
                 hub.end(RunSummary.from_json(record["summary"]))
             elif kind == "gpus":

@@ -149,6 +149,8 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "plan": _plan,
     "error": lambda e: f"error: {e['message']}",
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
+    "signalled": lambda e: f"{e['reason']}: finishing the current step, then the script",
+    "script_ended": lambda e: f"the script ended (exit code {e['code']})",
 }
 
 

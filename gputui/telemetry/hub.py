@@ -3,8 +3,9 @@ the script's output.
 
 One hub per process. The launcher (`gputui run`, the TUI) installs one with its settings before
 the script starts; `fit()` publishes into whichever hub is installed, or makes its own when the
-script runs under plain `python`. Publishing is a few attribute writes under a lock plus the
-sinks' own cost: the training thread never waits on a reader.
+script runs under plain `python`. Publishing a step is an append under a lock plus the sinks' own
+cost: the training thread never waits on a reader, and a reader makes the step's StepSample when it
+asks for it (sample.StepRecord).
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from typing import Any, Protocol
 from .controls import Controls
 from .output import OutputLog
 from .run import RunInfo, RunSummary
-from .sample import Event, GpuReading, StepSample
+from .sample import Event, GpuReading, StepRecord, StepSample
 
 
 class Sink(Protocol):
     """A consumer called on the training thread: it must be quick and must not raise, but for
-    SinkFailed once, when it can write no more."""
+    SinkFailed once, when it can write no more.
+
+    A sink that has an `on_record(record: StepRecord)` method is given each step's record instead
+    of its sample: it makes the sample only if and when it needs it (the progress line, a few
+    times a second; the socket's server, on its own thread)."""
 
     def on_start(self, info: RunInfo) -> None: ...
     def on_sample(self, sample: StepSample) -> None: ...
@@ -61,11 +66,12 @@ class Hub:
         # the socket server and the TUI read it. Its own lock: a print never waits on a sample.
         self.output = OutputLog()
         self._lock = threading.Lock()
-        self._samples: deque[StepSample] = deque(maxlen=ring_size)
+        self._samples: deque[StepRecord] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)
         self._published = 0  # samples ever published: a reader's cursor counts against it
         self._emitted = 0
         self._sinks: list[Sink] = []
+        self._step_calls: list[tuple[Sink, Callable[[StepRecord], None]]] = []  # the sinks' per-step calls
         self.gpus: GpuReading | None = None  # the latest reading of every GPU, once something reads them
         self.feeds_gpus = False  # whether an NVML poller feeds this hub (probes.nvml.feed): started once
         self.info: RunInfo | None = None
@@ -79,10 +85,12 @@ class Hub:
     def add_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks = [*self._sinks, sink]
+            self._step_calls = [(s, _step_call(s)) for s in self._sinks]
 
     def remove_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks = [s for s in self._sinks if s is not sink]
+            self._step_calls = [(s, call) for s, call in self._step_calls if s is not sink]
 
     def start(self, info: RunInfo) -> None:
         with self._lock:
@@ -92,12 +100,17 @@ class Hub:
         self._call("on_start", info)
 
     def publish(self, sample: StepSample) -> None:
+        """Publish a sample made already (one received from a job); the engine publishes records."""
+        self.publish_record(StepRecord.of(sample))
+
+    def publish_record(self, record: StepRecord) -> None:
+        """Publish one step, on the training thread: its sample is made by the first reader that asks."""
         with self._lock:
-            self._samples.append(sample)
+            self._samples.append(record)
             self._published += 1
-        for sink in self._sinks:  # _call() written out: this runs every step
+        for sink, call in self._step_calls:  # _call() written out: this runs every step
             try:
-                sink.on_sample(sample)
+                call(record)
             except SinkFailed as failure:
                 self._failed(sink, failure)
 
@@ -148,21 +161,32 @@ class Hub:
         A reader slower than the ring gets what the ring still holds: it misses samples, never
         blocks the publisher."""
         with self._lock:
-            samples = _tail(self._samples, self._published - cursor[0])
+            records = _tail(self._samples, self._published - cursor[0])
             events = _tail(self._events, self._emitted - cursor[1])
-            return samples, events, (self._published, self._emitted)
+            position = (self._published, self._emitted)
+        return [r.sample() for r in records], events, position  # made here, outside the lock
 
     def latest(self) -> StepSample | None:
         with self._lock:
-            return self._samples[-1] if self._samples else None
+            record = self._samples[-1] if self._samples else None
+        return record.sample() if record is not None else None
 
     def samples(self) -> list[StepSample]:
         with self._lock:
-            return list(self._samples)
+            records = list(self._samples)
+        return [r.sample() for r in records]
 
     def events(self) -> list[Event]:
         with self._lock:
             return list(self._events)
+
+
+def _step_call(sink: Sink) -> Callable[[StepRecord], None]:
+    """What the hub calls each step: the sink's on_record, or its on_sample given the step's sample."""
+    on_record: Callable[[StepRecord], None] | None = getattr(sink, "on_record", None)
+    if on_record is not None:
+        return on_record
+    return lambda record: sink.on_sample(record.sample())
 
 
 def _tail(ring: deque[Any], count: int) -> list[Any]:

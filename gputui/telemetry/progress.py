@@ -14,7 +14,7 @@ from ..units import format_bytes, format_count
 from .describe import describe
 from .hub import SinkFailed
 from .run import RunInfo, RunSummary
-from .sample import Event, StepSample
+from .sample import Event, StepRecord, StepSample
 
 
 def render(sample: StepSample, info: RunInfo | None) -> str:
@@ -55,7 +55,7 @@ class ProgressLine:
         self.interval = interval if interval is not None else (0.1 if self.tty else 2.0)
         self._info: RunInfo | None = None
         self._last_draw = 0.0
-        self._pending: StepSample | None = None
+        self._pending: StepRecord | None = None  # the newest step not drawn yet
         self._drawn = False  # a line without a newline is on the terminal
         self.quiet = False
 
@@ -107,12 +107,17 @@ class ProgressLine:
         )
 
     def on_sample(self, sample: StepSample) -> None:
+        self.on_record(StepRecord.of(sample))
+
+    def on_record(self, record: StepRecord) -> None:
+        """A step: drawn if it is the first or the last drawing is `interval` old (its sample made
+        only then), else kept for the end."""
         if self.quiet:
             return
-        if sample.step == 1 or time.monotonic() - self._last_draw >= self.interval:
-            self._draw(sample)
+        if record.step == 1 or time.monotonic() - self._last_draw >= self.interval:
+            self._draw(record.sample())
         else:
-            self._pending = sample
+            self._pending = record
 
     def on_event(self, event: Event) -> None:
         if self.quiet or event.name == "error":  # it surfaces as the exception fit() raises
@@ -126,7 +131,7 @@ class ProgressLine:
         if self.quiet:
             return
         if self._pending is not None:
-            self._draw(self._pending)
+            self._draw(self._pending.sample())
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")
         self._drawn = False
         loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"

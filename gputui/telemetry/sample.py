@@ -215,7 +215,9 @@ class HostReading:
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
-    """What one optimizer step left behind: progress, the settings it ran with, and memory after it."""
+    """What one optimizer step left behind: progress, the settings it ran with, and memory after it.
+
+    The engine publishes its fields as a positional tuple (StepRecord): a new field goes last."""
 
     t: float
     step: int
@@ -276,6 +278,33 @@ class StepSample:
         return cls(**values)
 
 
+class StepRecord:
+    """A step as the training thread publishes it: StepSample's fields in their order, in a tuple.
+
+    Building the frozen StepSample costs the step microseconds (more with the caches a step of
+    training leaves cold) that most steps need not pay: a screen reads a few samples a second, the
+    socket's server on its own thread. So the sample is made when a reader first asks for it, on
+    the reader's thread, and kept for the readers after it."""
+
+    __slots__ = ("fields", "step", "_sample")
+
+    def __init__(self, fields: tuple[Any, ...], sample: StepSample | None = None) -> None:
+        self.fields = fields
+        self.step: int = fields[1]
+        self._sample = sample
+
+    @classmethod
+    def of(cls, sample: StepSample) -> StepRecord:
+        """A sample made already (one received from a job, a test's)."""
+        return cls(tuple(getattr(sample, name) for name in _names(StepSample)), sample)
+
+    def sample(self) -> StepSample:
+        sample = self._sample
+        if sample is None:  # two readers at once may both make it: equal samples, one kept
+            sample = self._sample = StepSample(*self.fields)
+        return sample
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Something that happened at a step boundary: a remedy applied, an OOM recovered, an error."""
@@ -329,6 +358,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "plan": ("trigger", "options", "capacity", "correction", "tracked", "complete"),
     "error": ("message",),
     "sink_failed": ("message",),
+    # Not the engine's: `gputui run` tells its screen (tui/local.py), and no one else.
+    "signalled": ("reason",),
+    "script_ended": ("code",),
 }
 """Every event the engine emits, with the details each always carries: the closed set that the
 progress line, the timeline and `gputui ctl` can all describe (telemetry/describe.py)."""

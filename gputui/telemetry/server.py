@@ -30,7 +30,7 @@ from .hub import Hub
 from .paths import UnsafeDirectory, find_jobs, peer_uid, private_dir, socket_path
 from .protocol import MAX_CLIENT_LINE, ProtocolError, clean, encode, parse_client
 from .run import RunInfo, RunSummary
-from .sample import Event, StepSample
+from .sample import Event, StepRecord, StepSample
 
 MAX_PENDING = 8 * 2**20
 """Bytes waiting for one client before it counts as too slow and is dropped."""
@@ -101,6 +101,14 @@ def _newest(lines: list[str], count: int, chars: int) -> list[str]:
     return lines[len(lines) - kept :]
 
 
+FOLD_AT = 4096
+"""Steps kept unfolded at most: the history stays bounded (it halves) with no client for days."""
+
+
+def _sample(item: StepSample | StepRecord) -> StepSample:
+    return item.sample() if isinstance(item, StepRecord) else item
+
+
 @dataclass
 class _Peer:
     sock: socket.socket
@@ -126,7 +134,8 @@ class TelemetryServer:
         # The run as the server has seen it, for clients that connect later.
         self._info: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
-        self._last_step: StepSample | None = None  # as an object: encoded only when a client wants it
+        self._last_step: StepSample | StepRecord | None = None  # as an object: encoded only when a client wants it
+        self._unfolded: list[StepSample | StepRecord] = []  # steps not in _series yet: folded for a welcome
         self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._series = RunSeries()
         self._gpus: Any = None
@@ -149,6 +158,9 @@ class TelemetryServer:
     def on_sample(self, sample: StepSample) -> None:
         self._queue.append(("step", sample))
 
+    def on_record(self, record: StepRecord) -> None:
+        self._queue.append(("step", record))  # its sample is made on this server's thread (_record)
+
     def on_event(self, event: Event) -> None:
         self._queue.append(("event", event))
         self._wake()  # events answer controls: a client waits for them, not for the next tick
@@ -163,19 +175,21 @@ class TelemetryServer:
         self._queue.append(("end", summary))
 
     # -- lifetime -----------------------------------------------------------------------------------
-    def start(self) -> TelemetryServer:
-        """Bind and serve; OSError or UnsafeDirectory if the socket cannot be made safely."""
-        private_dir()
-        find_jobs()  # removes the sockets of jobs killed with SIGKILL: they could not remove their own
-        if os.path.exists(self.path):  # ours by name: a dead process with our pid left it
-            os.unlink(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        os.chmod(self.path, 0o600)
-        listener.listen(BACKLOG)
-        listener.setblocking(False)
-        self._listener = listener
-        self._selector.register(listener, selectors.EVENT_READ, None)
+    def start(self, *, listen: bool = True) -> TelemetryServer:
+        """Bind and serve; OSError or UnsafeDirectory if the socket cannot be made safely. Without
+        `listen`: no socket in the folder, only the connections given to adopt()."""
+        if listen:
+            private_dir()
+            find_jobs()  # removes the sockets of jobs killed with SIGKILL: they could not remove their own
+            if os.path.exists(self.path):  # ours by name: a dead process with our pid left it
+                os.unlink(self.path)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            listener.listen(BACKLOG)
+            listener.setblocking(False)
+            self._listener = listener
+            self._selector.register(listener, selectors.EVENT_READ, None)
         for end in self._waker:
             end.setblocking(False)
         self._selector.register(self._waker[0], selectors.EVENT_READ, self._waker)
@@ -197,10 +211,11 @@ class TelemetryServer:
             self._listener.close()
         for end in self._waker:
             end.close()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if self._listener is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
     @property
     def clients(self) -> int:
@@ -274,11 +289,21 @@ class TelemetryServer:
                     pass
                 sock.close()
                 continue
-            self._broadcast_output()  # the clients there have the lines the newcomer's welcome ends with
-            peer = _Peer(sock, cred[0] if cred else None)
-            self._peers[sock] = peer
-            self._selector.register(sock, selectors.EVENT_READ, peer)
-            peer.outbox += self._welcome_bytes()
+            self._add(sock, cred[0] if cred else None)
+
+    def adopt(self, sock: socket.socket, pid: int) -> None:
+        """Serve a connection made elsewhere (`gputui run`'s screen: one end of a socket pair it was
+        started with), as if accepted; before start()."""
+        assert self._thread is None, "adopted before the server thread runs"
+        self._add(sock, pid)
+
+    def _add(self, sock: socket.socket, pid: int | None) -> None:
+        sock.setblocking(False)  # an adopted one is still blocking
+        self._broadcast_output()  # the clients there have the lines the newcomer's welcome ends with
+        peer = _Peer(sock, pid)
+        self._peers[sock] = peer
+        self._selector.register(sock, selectors.EVENT_READ, peer)
+        peer.outbox += self._welcome_bytes()
 
     def _welcome_bytes(self) -> bytes:
         """What a new client gets before the live records: who, the run so far, the recent past.
@@ -294,9 +319,10 @@ class TelemetryServer:
                 "summary": self._summary,
                 "controllable": True,
             }
+            self._fold()
             records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
             if self._last_step is not None:
-                records.append(clean(self._last_step.to_json()))
+                records.append(clean(_sample(self._last_step).to_json()))
             if self._gpus is not None:
                 records.append(self._gpus)
             if self._printed or self._current:
@@ -396,11 +422,16 @@ class TelemetryServer:
             self._info, self._summary, self._last_step = item.to_json(), None, None
             self._events.clear()
             self._series.clear()
+            self._unfolded.clear()
             return clean({"kind": "start", "runs": self.hub.runs, "info": self._info})
         if kind == "step":
-            self._series.add(item)
             self._last_step = item
-            return item.to_json() if self._peers else None  # cleaned only if it fails to encode: a walk a step
+            if self._listener is not None:  # a later client's welcome needs the run's history
+                self._unfolded.append(item)
+                if len(self._unfolded) >= FOLD_AT:
+                    self._fold()
+            # Cleaned only if it fails to encode: a walk a step.
+            return _sample(item).to_json() if self._peers else None
         if kind == "event":
             record = clean(item.to_json())
             self._events.append(record)
@@ -409,6 +440,13 @@ class TelemetryServer:
             return record
         self._summary = item.to_json()
         return clean({"kind": "end", "summary": self._summary})
+
+    def _fold(self) -> None:
+        """The steps since the last fold into the history a welcome sends: made into samples when a
+        client comes, not each step (no client, no work a step beyond an append)."""
+        for item in self._unfolded:
+            self._series.add(_sample(item))
+        self._unfolded.clear()
 
     def _answered(self, ids: set[int]) -> None:
         for peer in self._peers.values():

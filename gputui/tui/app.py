@@ -95,18 +95,30 @@ class MainScreen(Screen[None]):
     def __init__(self, view: RunView, source: Source, output: OutputLog) -> None:
         super().__init__()
         self.view, self.source, self.output = view, source, output
+        v = view
+        self.log_panel, self.gpu_line, self.ranks = (
+            LogPanel(output, id="log"),
+            GpuLine(v, id="gpus"),
+            RanksPanel(v, id="ranks"),
+        )
+        self._top = (HeaderBar(v, id="header"), MemoryPanel(v, id="memory"), LossPanel(v, id="loss"))
+        self._middle = (RemediesBar(v, source.watch_only, id="remedies"), Timeline(v, id="timeline"))
+        # Kept, not queried: a pull a few times a second walks no DOM.
+        self.panels: list[Panel] = [*self._top, self.ranks, *self._middle, self.log_panel, self.gpu_line]
 
     def compose(self) -> ComposeResult:
-        yield HeaderBar(self.view, id="header")
+        header, memory, loss = self._top
+        remedies, timeline = self._middle
+        yield header
         with Horizontal(id="panels"):
-            yield MemoryPanel(self.view, id="memory")
-            yield LossPanel(self.view, id="loss")
-        yield RanksPanel(self.view, id="ranks")
-        yield RemediesBar(self.view, self.source.watch_only, id="remedies")
+            yield memory
+            yield loss
+        yield self.ranks
+        yield remedies
         with Horizontal(id="bottom"):
-            yield Timeline(self.view, id="timeline")
-            yield LogPanel(self.output, id="log")
-        yield GpuLine(self.view, id="gpus")
+            yield timeline
+            yield self.log_panel
+        yield self.gpu_line
         yield KeysFooter()
 
     def on_mount(self) -> None:
@@ -116,20 +128,18 @@ class MainScreen(Screen[None]):
 
     def update(self) -> None:
         """After a pull: the panels the run needs, each redrawn if what it shows changed."""
-        for log in self.query("#log"):  # query, not query_one: gone while the app closes
-            log.display = self.view.observed
-        for line in self.query("#gpus"):
-            line.display = self.view.gpus is not None
-        for ranks in self.query("#ranks"):  # a torchrun job's: one process has no ranks to show
-            ranks.display = bool(self.view.job_ranks)
-        for panel in self.query(Panel):
+        if not self.log_panel.is_attached:  # not composed yet, or the app is closing
+            return
+        self.log_panel.display = self.view.observed
+        self.gpu_line.display = self.view.gpus is not None
+        self.ranks.display = bool(self.view.job_ranks)  # a torchrun job's: one process has no ranks to show
+        for panel in self.panels:
             panel.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.height < 30, "-short")
         self.set_class(event.size.height >= 45, "-tall")
-        for ranks in self.query(RanksPanel):  # how many ranks it has lines for follows the height
-            ranks.redraw()
+        self.ranks.redraw()  # how many ranks it has lines for follows the height
 
     def on_key(self, event: events.Key) -> None:
         """A dimmed key does nothing, but says why."""
@@ -153,18 +163,13 @@ class GputuiApp(App[int]):
         runner: Runner | None = None,
         refresh: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
-        printed: Callable[[str], None] | None = None,
     ) -> None:
-        """`printed`: where the app's print capture sends what it catches. `gputui run` gives the
-        hub's output (attach clients read it there; the source brings it back to `output`); by
-        default it goes straight into `output`."""
         super().__init__()
         self.source = source
         self.view = RunView(clock=clock, script=script)
         self.runner = runner
         self.refresh_hz = refresh
         self.output = OutputLog()  # the script's output as the source brings it
-        self._printed = printed or self.output.write
         self.script_code: int | None = None  # the script's exit code, once it has ended
         self._thread: threading.Thread | None = None
         self._quitting = False
@@ -222,6 +227,8 @@ class GputuiApp(App[int]):
             self._oom_shown = oom
             why = {k.control: self.why_not(k.action) for k in KEYS if k.control}
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
+        if self.view.signalled and not self._quitting:
+            self.leave_when_done(self.view.signalled)
 
     def on_script_ended(self, message: ScriptEnded) -> None:
         self.pull()  # the last samples first: a short run can end between two pulls
@@ -234,7 +241,7 @@ class GputuiApp(App[int]):
             self.push_screen(FailureScreen(self.view))
 
     def on_print(self, event: events.Print) -> None:
-        self._printed(event.text)
+        self.output.write(event.text)
 
     # -- keys ------------------------------------------------------------------------------------
     def why_not(self, action: str) -> str | None:
@@ -343,6 +350,20 @@ class GputuiApp(App[int]):
 
     def _script_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def leave_when_done(self, reason: str) -> None:
+        """The run was signalled (`reason`): its fit stops after the step, the script finishes (its save
+        runs), then the app leaves with the script's code."""
+        if not self._script_running():
+            self.exit(self.script_code if self.script_code is not None else 1)
+            return
+        self._quitting = True
+        self.view.stopping = True
+        self.notify(
+            f"{reason}: finishing the current step; the script then finishes (its save runs) and "
+            "gputui exits. Again to stop at once.",
+            timeout=30,
+        )
 
     def _stop_then_quit(self) -> None:
         self._quitting = True

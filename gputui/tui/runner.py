@@ -1,52 +1,26 @@
-"""Running the app: on a local script (`gputui run`), on a job elsewhere (`gputui attach`), or on
-the torchrun job it launched (`gputui run --nproc-per-node`).
-
-Each owns the terminal for the app's lifetime and give it back intact. When the terminal goes
-away (SIGHUP: an SSH session dropped, a tmux window killed; or a hang-up terminal.py notices),
-a local run closes the app and goes on headless: the training thread keeps training, the
-socket keeps serving, and the process exits with the script's code when it ends. SIGTERM and
-SIGINT act as they do headless: the fit stops after its step, the script finishes (its save
-runs), the app closes; a second one stops the script at once, or right after a save in progress.
+"""Running the app: `gputui run`'s screen (local.py starts it), a job elsewhere (`gputui attach`), or
+the torchrun job it launched (`gputui run --nproc-per-node`). Each gives the terminal back intact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import sys
-import threading
+from functools import partial
 from typing import Any, TextIO
 
-from .. import interrupts
-from ..launch import detach_from_terminal, run_script
+from ..launch import detach_from_terminal
 from ..telemetry.client import Mirror
+from ..telemetry.output import OutputLog
 from ..torchrun import KILL_AFTER, TorchrunJob
 from .app import GputuiApp
+from .local import STOPS
 from .remote import RemoteSource
-from .sources import LocalSource
 from .terminal import Terminal, guarded_terminal
-
-SCRIPT_TAIL = 15
-"""Lines of the script's own output printed when the app closes."""
-
-
-UNWIND_S = 2.0
-"""How long a script stopped at once gets to unwind before the process exits without it."""
-
-STOPS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
-
-
-class _Terminated(SystemExit):
-    """A second SIGTERM, raised in the script's thread: it ends as headless would (code 143)."""
-
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
-
-
-def _announce(path: str) -> None:
-    sys.stderr.write(f"gputui: waiting for the save of {path} to finish\n")
-    sys.stderr.flush()
 
 
 def _schedule(callback: Any, *args: Any) -> None:
@@ -57,99 +31,61 @@ def _schedule(callback: Any, *args: Any) -> None:
         pass
 
 
-def _leave_when_done(app: GputuiApp, signum: int) -> None:
-    """SIGTERM or SIGINT: the running fit stops at its next boundary (hub.stop_signal), the script
-    finishes (its save runs), then the app exits with the script's code."""
-    thread = app.training_thread
-    if thread is None or not thread.is_alive():
-        app.exit(app.script_code if app.script_code is not None else 128 + signum)
-        return
-    app.view.stopping = True
-    app.notify(
-        f"{STOPS[signum]}: finishing the current step; the script then finishes (its save runs) and "
-        "gputui exits. Again to stop at once.",
-        timeout=30,
-    )
-
-    def wait() -> None:
-        thread.join()
-        app.exit(app.script_code)  # posted after the script's ScriptEnded: its report is shown first
-
-    threading.Thread(target=wait, name="gputui-leave", daemon=True).start()
-
-
-def _install_signals(app: GputuiApp, hub: Any, terminal: Terminal, hung_up: list[bool], raised: list[bool]) -> None:
-    """Handlers only set flags and schedule: they may interrupt code that holds a lock."""
+def screen_main(argv: list[str]) -> int:
+    """`python -m gputui.tui FD PID SCRIPT REFRESH`: the screen `gputui run` starts (_Screen). Its exit
+    code: the script's, 130 for a quit at once, 1 if it failed, 129 when the terminal hung up."""
+    fd, pid, script, refresh = int(argv[0]), int(argv[1]), argv[2], float(argv[3])
+    apps: list[GputuiApp] = []
+    hung_up: list[bool] = []
+    terminals: list[Terminal] = []
 
     def hangup(signum: int, frame: Any) -> None:
         if not hung_up:
             hung_up.append(True)
-            terminal.release()  # Textual's last writes go nowhere instead of failing
-            _schedule(app.exit, None)
+            if terminals:
+                terminals[0].release()  # Textual's last writes go nowhere instead of failing
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)  # the run goes on headless
+            _schedule(lambda: apps[0].exit(None) if apps else None)
 
-    def stop(signum: int, frame: Any) -> None:
-        if hub.stop_signal is None:
-            hub.stop_signal = STOPS[signum]
-            _schedule(_leave_when_done, app, signum)
-            return
-        thread = app.training_thread  # the second one: stop now (after a save), as headless does
-        if thread is not None and thread.is_alive() and not raised:
-            raised.append(True)
-            interrupts.interrupt(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
-        _schedule(app.exit, 128 + signum)
+    def quit_now(signum: int, frame: Any) -> None:  # Ctrl-C is a key in the app: this came from elsewhere
+        _schedule(lambda: apps[0].exit(128 + signum) if apps else None)
 
     signal.signal(signal.SIGHUP, hangup)
     for sig in STOPS:
-        signal.signal(sig, stop)
-
-
-def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
-    output = hub.output  # the script's output: the app shows it, attach clients get it from the hub
-    hung_up: list[bool] = []
-    raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
-    with guarded_terminal(output.write) as terminal:  # what C code writes joins the script's log
+        signal.signal(sig, quit_now)
+    mirror = Mirror(f"fd {fd}", pid, control=True, sock=socket.socket(fileno=fd)).start()
+    log = OutputLog()
+    with guarded_terminal(log.write) as terminal:
+        terminals.append(terminal)
         app = GputuiApp(
-            LocalSource(hub),
-            script=os.path.basename(script),
-            runner=lambda err: run_script(script, args, err=err, observe=hub),
-            refresh=refresh,
-            printed=output.write,
+            RemoteSource(mirror, control=True), script=script, runner=partial(_script_end, mirror), refresh=refresh
         )
-        _install_signals(app, hub, terminal, hung_up, raised)
+        apps.append(app)
         app.run()
-    thread = app.training_thread
+    mirror.stop()
     if hung_up:
-        detach_from_terminal()
-        if thread is not None:
-            thread.join()
-        return app.script_code if app.script_code is not None else 0
-    if thread is not None and thread.is_alive():
-        # A quit at once (a second q, Ctrl-C or signal): stop the script as a second Ctrl-C would,
-        # once its save (if any) is whole, so its finally blocks run (fit writes its end record).
-        # A thread blocked in C cannot be interrupted: it gets a moment, then is left behind.
-        if not raised:
-            interrupts.interrupt(thread, KeyboardInterrupt)
-        interrupts.wait_for_saves(_announce)
-        thread.join(UNWIND_S)
+        return 128 + signal.SIGHUP
     if app.return_code:  # the app itself failed: its report went to the captured output
-        lines = output.tail(60)
         sys.stderr.write(
-            "\n".join(lines) + "\ngputui: error: the TUI stopped on an internal error (above); "
+            "\n".join(log.tail(60)) + "\ngputui: error: the TUI stopped on an internal error (above); "
             "`gputui run --headless` runs without it\n"
         )
-    code = app.return_value if app.return_value is not None else 1
-    lines = output.tail(SCRIPT_TAIL)
-    if lines and not app.return_code:  # what the script said last (its save, its summary) stays visible
-        print(f"gputui: {os.path.basename(script)} printed (last {len(lines)} lines; l in the TUI shows all):")
-        print("\n".join(lines))
-    if app.view.failure:
-        sys.stderr.write(app.view.failure if app.view.failure.endswith("\n") else app.view.failure + "\n")
-    if thread is not None and thread.is_alive():
-        # The script did not unwind: joining it could hang, but a save it started is finished.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        interrupts.exit_after_saves(code, _announce)
-    return code
+        return 1
+    return app.return_value if app.return_value is not None else 1
+
+
+def _script_end(mirror: Mirror, report: TextIO) -> int:
+    """The screen's "script": it ends when the run says its script has, or when the run is gone."""
+    mirror.done.wait()
+    event = mirror.script_ended
+    if event is None:
+        report.write(f"gputui: {mirror.status or 'the run is gone'}\n")
+        return 1
+    lines, code = event.get("report"), event.get("code")
+    if isinstance(lines, list):
+        report.write("".join(f"{line}\n" for line in lines if isinstance(line, str)))
+    return code if isinstance(code, int) else 1
 
 
 def attach_tui(path: str, pid: int | None, *, control: bool, refresh: float) -> int:

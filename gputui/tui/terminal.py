@@ -76,8 +76,35 @@ def _watch(fd: int, wake: int) -> None:
         _report_lost()
 
 
+class _Printed(io.TextIOBase):
+    """sys.stdout or sys.stderr while the screen owns the terminal: each write goes to the log as it
+    comes, a progress bar's carriage returns included (the pipe's reader sees whole lines only)."""
+
+    def __init__(self, sink: Callable[[str], None], fd: int, encoding: str) -> None:
+        self._sink, self._fd, self._encoding = sink, fd, encoding
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._encoding
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._sink(text)
+        return len(text)
+
+    def fileno(self) -> int:  # faulthandler, subprocess: the pipe behind it
+        return self._fd
+
+    def isatty(self) -> bool:
+        return False
+
+
 @contextlib.contextmanager
-def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
+def captured_output(sink: Callable[[str], None]) -> Iterator[Terminal]:
+    """For the duration: fd 0 is /dev/null, fds 1 and 2 a pipe into `sink`, sys.stdout and sys.stderr
+    write into `sink`; yields the terminal's own descriptors (duplicates), for the screen."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     terminal = Terminal()
@@ -88,18 +115,9 @@ def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
-    originals = sys.__stdin__, sys.__stdout__, sys.__stderr__
-    # Textual reads these when the app is built and when its driver starts: the real terminal.
-    tty_in, tty_out, tty_err = terminal.fds
-    sys.__stdin__ = open(tty_in, closefd=False)  # type: ignore[misc]
-    sys.__stdout__, sys.__stderr__ = (  # type: ignore[misc]
-        _Screen(
-            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
-            # Python's own default when it started with the stream closed (sys.__stdout__ is None)
-            encoding=stream.encoding if stream else "utf-8",
-            errors=stream.errors if stream else "strict",
-        )
-        for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2]))
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (
+        _Printed(sink, fd, getattr(s, "encoding", None) or "utf-8") for fd, s in zip((1, 2), streams, strict=True)
     )
 
     def pump() -> None:
@@ -109,22 +127,46 @@ def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
 
     reader = threading.Thread(target=pump, name="gputui-output", daemon=True)
     reader.start()
-    wake_read, wake_write = os.pipe()
-    watchdog = threading.Thread(target=_watch, args=(tty_in, wake_read), name="gputui-terminal", daemon=True)
-    watchdog.start()
     try:
         yield terminal
     finally:
-        os.write(wake_write, b"x")
-        watchdog.join()
-        for fd in (wake_read, wake_write):
-            os.close(fd)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os.dup2(tty_in, 0)
-        os.dup2(tty_out, 1)  # the pipe's last write ends close here: the reader sees EOF
-        os.dup2(tty_err, 2)
-        sys.__stdin__, sys.__stdout__, sys.__stderr__ = originals  # type: ignore[misc]
+        sys.stdout, sys.stderr = streams
+        os.dup2(terminal.fds[0], 0)
+        os.dup2(terminal.fds[1], 1)  # the pipe's last write ends close here: the reader sees EOF
+        os.dup2(terminal.fds[2], 2)
         terminal.close()
         reader.join(timeout=1)
+
+
+@contextlib.contextmanager
+def guarded_terminal(sink: Callable[[str], None]) -> Iterator[Terminal]:
+    """captured_output, and Textual drawing on the terminal's descriptors through _Screen, with a
+    watchdog for a terminal that dies without a SIGHUP."""
+    with captured_output(sink) as terminal:
+        originals = sys.__stdin__, sys.__stdout__, sys.__stderr__
+        # Textual reads these when the app is built and when its driver starts: the real terminal.
+        tty_in, tty_out, tty_err = terminal.fds
+        sys.__stdin__ = open(tty_in, closefd=False)  # type: ignore[misc]
+        sys.__stdout__, sys.__stderr__ = (  # type: ignore[misc]
+            _Screen(
+                io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+                # Python's own default when it started with the stream closed (sys.__stdout__ is None)
+                encoding=stream.encoding if stream else "utf-8",
+                errors=stream.errors if stream else "strict",
+            )
+            for fd, stream in ((tty_out, originals[1]), (tty_err, originals[2]))
+        )
+        wake_read, wake_write = os.pipe()
+        watchdog = threading.Thread(target=_watch, args=(tty_in, wake_read), name="gputui-terminal", daemon=True)
+        watchdog.start()
+        try:
+            yield terminal
+        finally:
+            os.write(wake_write, b"x")
+            watchdog.join()
+            for fd in (wake_read, wake_write):
+                os.close(fd)
+            for stream in (sys.__stdout__, sys.__stderr__):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            sys.__stdin__, sys.__stdout__, sys.__stderr__ = originals  # type: ignore[misc]

@@ -82,6 +82,7 @@ class RunView:
     paused: bool = False
     auto_recover: bool = True
     stopping: bool = False
+    signalled: str | None = None  # `gputui run` was signalled (why): its screen leaves once the script ends
     waiting_oom: Event | None = None
     top: Event | None = None
     plan: Event | None = None  # the latest "plan" event: the what-if table (remedies bar, planner screen)
@@ -164,6 +165,8 @@ class RunView:
         elif e.name == "plan":
             self.plan = e
             self.plans += 1
+        elif e.name == "signalled":
+            self.signalled = str(e["reason"])
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
         text = describe(e)

@@ -182,10 +182,15 @@ def test_a_terminal_that_dies_without_a_sighup_hands_over_to_headless(tmp_path, 
 
 
 def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tui):
-    read = tmp_path / "read.txt"
-    run = tui(write_script(tmp_path, before=f"open({str(read)!r}, 'w').write(repr(sys.stdin.read()))"))
+    read, drawn = tmp_path / "read.txt", tmp_path / "drawn.txt"
+    before = (
+        f"open({str(read)!r}, 'w').write(repr(sys.stdin.read()))\n"
+        f"open({str(drawn)!r}, 'w').write(repr(sorted(m for m in ('textual', 'rich') if m in sys.modules)))"
+    )
+    run = tui(write_script(tmp_path, before=before))
     run.wait_steps(2)
     assert read.read_text() == "''"
+    assert drawn.read_text() == "[]", "the screen is drawn in a process of its own: no frame holds this one's GIL"
     os.write(run.master, b"q")  # asks: training is running
     run.wait_for(lambda: b"Stop after the current step" in run.screen)
     os.write(run.master, b"q")  # yes

@@ -1,5 +1,5 @@
-"""The script's output on an attached screen (a job served in this process), and on `gputui run`'s own
-screen, which reads it from the hub the socket serves."""
+"""The script's output on an attached screen (a job served in this process): `gputui run`'s own screen
+reads it the same way (test_own_screen.py; tests/integration/test_signals.py on real processes)."""
 
 import os
 import threading
@@ -7,10 +7,9 @@ import time
 
 import pytest
 from conftest import text, until
-from test_output import LONG, OWN_LOOP
+from test_output import LONG
 from textual.widgets import RichLog, Static
 
-from gputui.launch import run_script
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.run import RunInfo
@@ -19,7 +18,6 @@ from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
 from gputui.tui.screens import LogScreen
-from gputui.tui.sources import LocalSource
 
 
 @pytest.fixture
@@ -100,26 +98,3 @@ async def test_an_attached_screen_shows_the_jobs_output(job):
             await until(pilot, lambda: len(log.lines) > shown)  # it goes on as the job prints
     finally:
         mirror.stop()
-
-
-async def test_gputui_runs_screen_reads_the_output_the_socket_serves(hub, tmp_path):
-    """As run_tui builds it: the print capture writes into the hub, the screen reads it back from there."""
-    path = tmp_path / "own.py"
-    path.write_text(OWN_LOOP)
-    app = GputuiApp(
-        LocalSource(hub),
-        script="own.py",
-        refresh=20,
-        runner=lambda err: run_script(str(path), [], err=err, observe=hub),
-        printed=hub.output.write,
-    )
-    try:
-        async with app.run_test(size=(100, 32)) as pilot:
-            await until(pilot, lambda: "training " in text(app, "#log"))
-            assert "LINE-START {'loss': '6.034'" in text(app, "#log")
-            assert [line for line in hub.output.lines if "LINE-START" in line] == [f"LINE-START {LONG}"], "once"
-            assert [line for line in app.output.lines if "LINE-START" in line] == [f"LINE-START {LONG}"]
-            assert "training " in hub.output.current
-    finally:
-        hub.controls.request("stop")
-        app.training_thread.join(30)

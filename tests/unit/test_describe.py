@@ -38,6 +38,8 @@ EXAMPLES = {
     },
     "error": {"message": "out of memory inside optimizer.step()"},
     "sink_failed": {"message": "metrics file m.jsonl: No space left on device; no more lines will be written"},
+    "signalled": {"reason": "terminated"},
+    "script_ended": {"code": 3, "report": ["Traceback (most recent call last):", "ValueError: boom"]},
 }
 
 

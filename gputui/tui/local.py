@@ -1,0 +1,211 @@
+"""`gputui run` under its screen: the script trains in a thread of this process, the one the user
+started (its pid, socket, output and exit code are a headless run's), and the screen is a child
+process on the terminal (`python -m gputui.tui`, runner.py), attached to the run as `gputui attach
+--control` would be: _Screen says why. No textual here: this process never draws.
+
+When the terminal goes away (SIGHUP: an SSH session dropped, a tmux window killed; or a hang-up the
+screen notices), the screen leaves and the run goes on headless: training goes on, the socket keeps
+serving, and the process exits with the script's code when it ends. SIGTERM and SIGINT act as they
+do headless: the fit stops after its step, the script finishes (its save runs), the screen leaves;
+a second one stops the script at once, or right after a save in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import termios
+import threading
+from typing import Any
+
+from .. import interrupts
+from ..launch import detach_from_terminal, run_script
+from ..telemetry.sample import Event
+from ..telemetry.server import TelemetryServer
+from .terminal import Terminal, captured_output
+
+SCRIPT_TAIL = 15
+"""Lines of the script's own output printed when the app closes."""
+
+
+UNWIND_S = 2.0
+"""How long a script stopped at once gets to unwind before the process exits without it."""
+
+STOPS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+
+SCREEN_GRACE = 5.0
+"""Seconds the screen gets to leave (the terminal given back) once the run is over, before it is killed."""
+
+REPORT_CHARS = 65_536
+"""The end of a failed script's report that the screen is sent (a traceback, an OOM's diagnosis)."""
+
+
+class _Terminated(SystemExit):
+    """A second SIGTERM, raised in the script's thread: it ends as headless would (code 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _announce(path: str) -> None:
+    sys.stderr.write(f"gputui: waiting for the save of {path} to finish\n")
+    sys.stderr.flush()
+
+
+class _Screen:
+    """The screen of `gputui run`: `python -m gputui.tui` on the terminal, attached to this run through
+    one end of a socket pair, with control (no socket folder involved: it works where attach cannot).
+    Its frames then cost the training thread nothing: they are drawn in another process, under
+    another GIL, on another core; this process only encodes the records it sends."""
+
+    def __init__(self, hub: Any, terminal: Terminal, script: str, refresh: float) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gputui.tui", str(theirs.fileno()), str(os.getpid()), script, f"{refresh:g}"],
+                stdin=terminal.fds[0],
+                stdout=terminal.fds[1],
+                stderr=terminal.fds[2],
+                pass_fds=[theirs.fileno()],
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.server = TelemetryServer(hub)
+        self.server.adopt(ours, self.process.pid)
+        self.server.start(listen=False)
+        self._tty = _tty_state(terminal.fds[1])
+
+    def signal(self, signum: int) -> None:
+        """Only a system call: safe in a signal handler."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signum)
+
+    def signalled(self, step: int, reason: str) -> None:
+        """The run was signalled: the screen leaves once the script has ended. An event, not a signal to
+        the screen: it is in the welcome of a screen still starting (a signal would kill it then)."""
+        self.server.on_event(Event("signalled", step, {"reason": reason}))
+
+    def script_ended(self, step: int, code: int, report: str) -> None:
+        """Tell the screen (only it: not the metrics file, not attach clients) how the script ended."""
+        lines = report[-REPORT_CHARS:].splitlines()  # as lines: a string's newlines are stripped on the way
+        self.server.on_event(Event("script_ended", step, {"code": code, "report": lines}))
+
+    def wait(self) -> int:
+        """The screen's exit code once it has left (signal handlers run meanwhile)."""
+        return self.process.wait()
+
+    def close(self, terminal: Terminal) -> None:
+        """Once it has left (killed after SCREEN_GRACE s), stop serving it; a screen killed before it
+        could give the terminal back has it given back here."""
+        try:
+            self.process.wait(SCREEN_GRACE)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.returncode < 0 and self._tty is not None:
+            with contextlib.suppress(OSError, termios.error):
+                termios.tcsetattr(terminal.fds[1], termios.TCSANOW, self._tty)
+                os.write(terminal.fds[1], b"\x1b[?1049l\x1b[?25h")  # out of the alternate screen, cursor shown
+        self.server.close()
+
+
+def _tty_state(fd: int) -> list[Any] | None:
+    try:
+        return termios.tcgetattr(fd)
+    except termios.error:
+        return None
+
+
+def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
+    """The script trains in a thread of this process; the main thread starts the screen, takes the
+    signals and waits for the screen to leave. The pid, the socket, the output and the exit code are
+    those of a headless run's."""
+    output = hub.output  # the script's output: the screen and attach clients read it from the hub
+    hung_up: list[bool] = []
+    raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
+    ended: list[int] = []  # the script's exit code, once it has ended
+    report = io.StringIO()
+    name = os.path.basename(script)
+    with captured_output(output.write) as terminal:  # what C code writes joins the script's log
+        screen = _Screen(hub, terminal, name, refresh)
+
+        def train() -> None:
+            try:
+                code = run_script(script, args, err=report, observe=hub)
+            except BaseException as exc:  # a stop at once that landed after the script ended
+                code = exc.code if isinstance(exc, _Terminated) and isinstance(exc.code, int) else 130
+            ended.append(code)
+            latest = hub.latest()
+            screen.script_ended(latest.step if latest is not None else 0, code, report.getvalue())
+
+        thread = threading.Thread(target=train, name="gputui-training", daemon=True)
+        _install_signals(hub, screen, thread, hung_up, raised, ended)
+        thread.start()
+        left = screen.wait()
+        first = not ended  # the screen left while the script runs: a quit at once, or it failed
+        if first and left == 128 + signal.SIGHUP:  # its SIGHUP to us may still be on its way
+            hung_up.append(True)
+        screen.close(terminal)
+    if hung_up:
+        detach_from_terminal()
+        thread.join()
+        return ended[0] if ended else 0
+    if first:
+        # Stop the script as a second Ctrl-C would, once its save (if any) is whole, so its finally
+        # blocks run. A thread blocked in C cannot be interrupted: it gets a moment, then is left behind.
+        if not raised:
+            raised.append(True)
+            interrupts.interrupt(thread, KeyboardInterrupt)
+        interrupts.wait_for_saves(_announce)
+        thread.join(UNWIND_S)
+    else:
+        thread.join()  # it has only the screen's message left to send
+    code = left if first else ended[0]
+    lines = output.tail(SCRIPT_TAIL)
+    if lines:  # what the script said last (its save, its summary) stays visible
+        print(f"gputui: {name} printed (last {len(lines)} lines; l in the TUI shows all):")
+        print("\n".join(lines))
+    if not first and code:
+        failure = report.getvalue() or f"exit code {code}"
+        sys.stderr.write(failure if failure.endswith("\n") else failure + "\n")
+    if thread.is_alive():
+        # The script did not unwind: joining it could hang, but a save it started is finished.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        interrupts.exit_after_saves(code, _announce)
+    return code
+
+
+def _install_signals(
+    hub: Any, screen: _Screen, thread: threading.Thread, hung_up: list[bool], raised: list[bool], ended: list[int]
+) -> None:
+    """Handlers only set flags and send signals: they may interrupt code that holds a lock."""
+
+    def hangup(signum: int, frame: Any) -> None:
+        """The terminal is gone (the screen sends it when no SIGHUP came): training goes on headless."""
+        if not hung_up:
+            hung_up.append(True)
+            screen.signal(signal.SIGHUP)
+
+    def stop(signum: int, frame: Any) -> None:
+        if hub.stop_signal is None:  # the fit stops after its step, the script finishes, the screen leaves
+            hub.stop_signal = STOPS[signum]
+            latest = hub.latest()  # its lock is never held by this (the main) thread
+            screen.signalled(latest.step if latest is not None else 0, STOPS[signum])
+            return
+        if thread.is_alive() and not ended and not raised:  # the second one: stop now (after a save)
+            raised.append(True)
+            interrupts.interrupt(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
+        screen.signal(signum)  # it leaves now (128 + signum)
+
+    signal.signal(signal.SIGHUP, hangup)
+    for sig in STOPS:
+        signal.signal(sig, stop)
