@@ -1,10 +1,12 @@
 """Overhead: samples per second of one model and its batches through (a) a plain PyTorch loop,
 (b) `gputui.fit` headless, as a plain `python train.py` runs it (progress line into a pipe, the
-telemetry socket served), and (c) the TUI (`gputui run`, default 4 Hz) in a pseudo-terminal.
+telemetry socket served), (c) the same script under `gputui run --headless` (its observer standing
+aside while fit runs), and (d) the TUI (`gputui run`, default 4 Hz: its screen a child process) in a
+pseudo-terminal.
 
-Every run is a fresh process timing itself (workloads.py, warm-up steps excluded). The three
-loops take turns (a b c, b c a, c a b, ...) so a slow spell of the machine hits them alike;
-each repetition's ratios to its own plain run are kept too.
+Every run is a fresh process timing itself (workloads.py, warm-up steps excluded). The loops take
+turns (a b c d, b c d a, ...) so a slow spell of the machine hits them alike; each repetition's
+ratios to its own plain run are kept too.
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ from typing import Any
 
 import harness
 
-LOOPS = ("plain", "fit", "tui")
-LABELS = {"plain": "plain PyTorch loop", "fit": "gputui.fit headless", "tui": "gputui run (TUI, 4 Hz)"}
+LOOPS = ("plain", "fit", "run", "tui")
+LABELS = {
+    "plain": "plain PyTorch loop",
+    "fit": "gputui.fit headless (`python train.py`)",
+    "run": "`gputui run --headless`",
+    "tui": "`gputui run` (TUI, 4 Hz)",
+}
 # name: (model, torch threads: None = torch's default, one a core). "mlp-1t" leaves a core free, as
 # a GPU machine does: on a 2-core CPU where torch's two threads fill both cores, whatever else runs
 # (the TUI's event loop) takes its share out of the step.
 WORKLOADS = {"mlp": ("mlp", None), "gpt": ("gpt", None), "mlp-1t": ("mlp", 1)}
-# (timed steps, warm-up steps) per workload; quick: a fraction
-FULL = {"mlp": (800, 80), "gpt": (60, 6), "mlp-1t": (600, 60)}
+# (timed steps, warm-up steps) per workload; quick: a fraction. Warm-up long enough for the TUI's screen
+# (a process of its own) to be up: its start is not what a run of hours pays.
+FULL = {"mlp": (3000, 600), "gpt": (80, 20), "mlp-1t": (3000, 600)}
 QUICK = {"mlp": (150, 20), "gpt": (12, 3), "mlp-1t": (150, 20)}
 # alternating in one process: (blocks of each loop, timed steps a block, warm-up steps a block)
 BLOCKS = {"mlp": (60, 20, 4), "gpt": (16, 6, 3), "mlp-1t": (40, 20, 4)}
@@ -69,10 +77,11 @@ def one_run(tmp: str, model: str, loop: str, steps: int, warmup: int, device: st
         if not finished:
             raise RuntimeError(f"the TUI run wrote no result (exit {code}): {child.text()[-2000:]}")
     else:
-        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=limit)
+        command = [*harness.gputui_cmd(), "run", "--headless"] if loop == "run" else [sys.executable]
+        proc = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=limit)
         if proc.returncode:
             raise RuntimeError(f"{loop} run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        if loop == "fit" and "gputui: done" not in proc.stdout:
+        if loop in ("fit", "run") and "gputui: done" not in proc.stdout:
             raise RuntimeError(f"no progress line from the headless run: {proc.stdout[-500:]}")
     with open(out) as f:
         result = json.load(f)
@@ -162,7 +171,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         for model, (steps, warmup) in config.items():
             runs: dict[str, list[dict[str, Any]]] = {loop: [] for loop in LOOPS}
             for rep in range(reps):
-                order = LOOPS[rep % 3 :] + LOOPS[: rep % 3]
+                order = LOOPS[rep % len(LOOPS) :] + LOOPS[: rep % len(LOOPS)]
                 for loop in order:
                     runs[loop].append(one_run(tmp, model, loop, steps, warmup, device))
                     print(
@@ -212,7 +221,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"Device {r['device']}; each loop run {r['repetitions']} times, each run a fresh process, in turns "
-        "(a b c, b c a, ...). Samples/s: median (min-max) over the runs; the ratio is of the medians, "
+        "(a b c d, b c d a, ...). Samples/s: median (min-max) over the runs; the ratio is of the medians, "
         "and in brackets the median (min-max) of each turn's ratio to its own plain run. The last columns are the "
         "CPU (% of one core, median) used beside the training thread and torch's workers: gputui's threads in the "
         "training process (the telemetry servers, the main thread waiting for the screen), and the screen's own "

@@ -25,7 +25,7 @@ from typing import Any
 import harness
 
 BENCHMARKS = {
-    "overhead": "Overhead: plain loop, gputui.fit headless, the TUI",
+    "overhead": "Overhead: plain loop, gputui.fit headless, gputui run headless and with its TUI",
     "latency": "Control latency",
     "recovery": "OOM recovery",
     "remedies": "Memory saved per remedy",
@@ -100,14 +100,17 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
         step = {k: f" (a {v:.{0 if v >= 10 else 1}f} ms step)" if v else "" for k, v in ms.items()}
         parts.append(
             f"`gputui.fit` trained the small GPT of demos/gpt.py{step['gpt']} at {gpt['ratio']['fit']:.2f}x the "
-            f"samples per second of a plain PyTorch loop headless and {gpt['ratio']['tui']:.2f}x under the TUI, "
-            f"and the tiny MLP of demos/mlp.py{step['mlp']} at {mlp['ratio']['fit']:.2f}x and {mlp['ratio']['tui']:.2f}x"
+            f"samples per second of a plain PyTorch loop headless, {gpt['ratio']['run']:.2f}x under "
+            f"`gputui run --headless` and {gpt['ratio']['tui']:.2f}x under the TUI, and the tiny MLP of "
+            f"demos/mlp.py{step['mlp']} at {mlp['ratio']['fit']:.2f}x, {mlp['ratio']['run']:.2f}x and "
+            f"{mlp['ratio']['tui']:.2f}x"
         )
         free = oh["workloads"].get("mlp-1t")
         if free:
             parts[-1] += (
-                f" (with a core left free for the TUI, torch on one thread: {free['ratio']['fit']:.2f}x and "
-                f"{free['ratio']['tui']:.2f}x)"
+                f" (torch on one thread, a core left free: {free['ratio']['fit']:.2f}x, {free['ratio']['run']:.2f}x "
+                f"and {free['ratio']['tui']:.2f}x; measured step by step in one process, fit adds "
+                f"{free['interleaved']['added_us']['median']:.0f} us to its step)"
             )
     lat = results.get("latency", {}).get("result")
     if lat:

@@ -16,8 +16,8 @@ from typing import Any
 
 import harness
 
-FULL = {"runs": 10, "cpu_s": 10.0, "samples": 2000}
-QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300}
+FULL = {"runs": 10, "cpu_s": 10.0, "samples": 2000, "frames": 60}
+QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10}
 PUBLISH_HZ = 500  # a 2 ms step
 
 READER = """
@@ -78,6 +78,45 @@ def first_render(path: str, pid: int) -> float:
             mirror.stop()
 
     return asyncio.run(go())
+
+
+def frame_cost(sample: Any, history: int, per_frame: int, frames: int) -> dict[str, Any]:
+    """CPU of one frame of the main screen (the pull and the paint it asks for) at 120x40, after a run
+    of `history` steps, with `per_frame` new steps a frame (500 a second at 4 Hz): a frame must not
+    cost more as the run grows."""
+    import math
+    from dataclasses import replace
+
+    from gputui.telemetry.hub import Hub
+    from gputui.telemetry.run import RunInfo
+    from gputui.tui.app import GputuiApp
+    from gputui.tui.sources import LocalSource
+
+    def step(n: int) -> Any:
+        return replace(sample, step=n, loss=2.0 * math.exp(-n / 5000) + 0.3 + 0.05 * math.sin(n))
+
+    async def go() -> list[float]:
+        hub = Hub()
+        hub.start(RunInfo(mode="fit", device=sample.memory.device, argv=("train.py",), pid=os.getpid()))
+        app = GputuiApp(LocalSource(hub), script="train.py", refresh=0.001)  # no timer: the loop pulls
+        cpu: list[float] = []
+        async with app.run_test(size=(120, 40)) as pilot:
+            for n in range(1, history + 1):
+                hub.publish(step(n))
+                if n % 2000 == 0:
+                    app.pull()
+                    await pilot.pause()
+            for frame in range(frames + 5):
+                for n in range(history + frame * per_frame, history + (frame + 1) * per_frame):
+                    hub.publish(step(n + 1))
+                c0 = time.process_time()
+                app.pull()
+                await pilot.pause()
+                if frame >= 5:  # the first frames after the history settle the layout
+                    cpu.append(1e3 * (time.process_time() - c0))
+        return cpu
+
+    return {"history": history, "per_frame": per_frame, "ms": harness.summary(asyncio.run(go()))}
 
 
 def attach_tui(pid: int, refresh: float, seconds: float, env: dict[str, str]) -> dict[str, Any]:
@@ -211,6 +250,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
             out["first_render_ms"] = harness.summary(
                 [1e3 * first_render(path, proc.pid) for _ in range(max(2, config["runs"] // 2))]
             )
+            out["frames"] = [frame_cost(sample, n, 125, config["frames"]) for n in (1000, 20_000)]
             out["attach_tui"] = [attach_tui(proc.pid, hz, config["cpu_s"], env) for hz in (4, 10)]
             print(
                 f"tool costs: attach TUI CPU {[round(a['cpu_pct'], 1) for a in out['attach_tui']]} %", file=sys.stderr
@@ -235,6 +275,11 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(
             f"| `gputui attach PID --refresh {a['refresh_hz']:g}` in a pseudo-terminal: start to the job on screen | "
             f"{a['first_screen_s'] * 1e3:.0f} ms |"
+        )
+    for f in r.get("frames", ()):
+        lines.append(
+            f"| a frame of the main screen at 120x40 after {f['history']:,} steps, {f['per_frame']} new a frame "
+            f"(pull + paint, CPU) | {harness.spread(f['ms'])} ms |"
         )
     lines += [
         "",
