@@ -21,6 +21,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 from typing import Any
 
 from .. import interrupts
@@ -52,6 +53,9 @@ class _Terminated(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
+_Terminated.__name__ = _Terminated.__qualname__ = "SystemExit"  # as fit's end record names it headless
+
+
 def _announce(path: str) -> None:
     sys.stderr.write(f"gputui: waiting for the save of {path} to finish\n")
     sys.stderr.flush()
@@ -64,7 +68,13 @@ class _Screen:
     another GIL, on another core; this process only encodes the records it sends."""
 
     def __init__(self, hub: Any, terminal: Terminal, script: str, refresh: float) -> None:
+        self._fd = terminal.fds[1]
+        self._tty = _tty_state(self._fd)  # given back as it was, whatever becomes of the screen
         ours, theirs = socket.socketpair()
+        # Started with SIGINT blocked (__main__.py then ignores it and unblocks): a Ctrl-C while the
+        # terminal is still cooked reaches the whole group, and must not kill a screen not yet past
+        # Python's start. Here it waits, pending, until the screen is made, then stops the run.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gputui.tui", str(theirs.fileno()), str(os.getpid()), script, f"{refresh:g}"],
@@ -78,15 +88,22 @@ class _Screen:
             raise
         finally:
             theirs.close()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         self.server = TelemetryServer(hub)
         self.server.adopt(ours, self.process.pid)
         self.server.start(listen=False)
-        self._tty = _tty_state(terminal.fds[1])
+        self.deadline: float | None = None  # told to leave at once: killed if still there then
 
     def signal(self, signum: int) -> None:
-        """Only a system call: safe in a signal handler."""
+        """Only system calls: safe in a signal handler. A stopped screen (SIGSTOP) is woken to take it."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signum)
+            os.kill(self.process.pid, signal.SIGCONT)
+
+    def leave_now(self) -> None:
+        """A second stop signal: the screen leaves at once, and is killed if it has not in SCREEN_GRACE s."""
+        self.signal(signal.SIGTERM)
+        self.deadline = time.monotonic() + SCREEN_GRACE
 
     def signalled(self, step: int, reason: str) -> None:
         """The run was signalled: the screen leaves once the script has ended. An event, not a signal to
@@ -99,22 +116,39 @@ class _Screen:
         self.server.on_event(Event("script_ended", step, {"code": code, "report": lines}))
 
     def wait(self) -> int:
-        """The screen's exit code once it has left (signal handlers run meanwhile)."""
-        return self.process.wait()
+        """The screen's exit code once it has left, as a shell says it (128 + N when signal N ended it);
+        signal handlers run meanwhile."""
+        while True:
+            try:
+                code = self.process.wait(WAIT_TICK)
+                return 128 - code if code < 0 else code
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self.process.kill()
 
-    def close(self, terminal: Terminal) -> None:
-        """Once it has left (killed after SCREEN_GRACE s), stop serving it; a screen killed before it
-        could give the terminal back has it given back here."""
-        try:
-            self.process.wait(SCREEN_GRACE)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        if self.process.returncode < 0 and self._tty is not None:
-            with contextlib.suppress(OSError, termios.error):
-                termios.tcsetattr(terminal.fds[1], termios.TCSANOW, self._tty)
-                os.write(terminal.fds[1], b"\x1b[?1049l\x1b[?25h")  # out of the alternate screen, cursor shown
+    def close(self, hung_up: bool) -> None:
+        """Stop serving it, and give the terminal back as it was before the screen took it: a screen
+        killed, stopped and continued, or hung up on a terminal that lives, may have left it raw, on
+        the alternate screen, with the mouse reported (a moved mouse would type into the shell)."""
         self.server.close()
+        if self._tty is None:
+            return
+        ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background process group may set it too
+        try:
+            with contextlib.suppress(OSError, termios.error):
+                termios.tcsetattr(self._fd, termios.TCSANOW, self._tty)
+                if hung_up or self.process.returncode != 0:
+                    os.write(self._fd, RESET)
+        finally:
+            signal.signal(signal.SIGTTOU, ttou)
+
+
+RESET = b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1006l\x1b[?1015l\x1b[?2004l\x1b[?1049l\x1b[?25h"
+"""Mouse reporting (every mode Textual turns on) and bracketed paste off, the alternate screen left, the
+cursor shown: what Textual undoes when it leaves, for a screen that could not."""
+
+WAIT_TICK = 0.5
+"""How often the wait for the screen looks whether a screen told to leave at once is overdue."""
 
 
 def _tty_state(fd: int) -> list[Any] | None:
@@ -129,51 +163,55 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     signals and waits for the screen to leave. The pid, the socket, the output and the exit code are
     those of a headless run's."""
     output = hub.output  # the script's output: the screen and attach clients read it from the hub
-    hung_up: list[bool] = []
-    raised: list[bool] = []  # an exception was sent to the script's thread to stop it at once
-    ended: list[int] = []  # the script's exit code, once it has ended
+    state = _State()
     report = io.StringIO()
     name = os.path.basename(script)
     with captured_output(output.write) as terminal:  # what C code writes joins the script's log
-        screen = _Screen(hub, terminal, name, refresh)
 
         def train() -> None:
             try:
                 code = run_script(script, args, err=report, observe=hub)
             except BaseException as exc:  # a stop at once that landed after the script ended
                 code = exc.code if isinstance(exc, _Terminated) and isinstance(exc.code, int) else 130
-            ended.append(code)
+            state.ended.append(code)
+            assert state.screen is not None  # the thread starts once the screen has
             latest = hub.latest()
-            screen.script_ended(latest.step if latest is not None else 0, code, report.getvalue())
+            state.screen.script_ended(latest.step if latest is not None else 0, code, report.getvalue())
 
-        thread = threading.Thread(target=train, name="gputui-training", daemon=True)
-        _install_signals(hub, screen, thread, hung_up, raised, ended)
-        thread.start()
+        state.thread = threading.Thread(target=train, name="gputui-training", daemon=True)
+        _install_signals(hub, state)  # before the screen: a signal now is a stop, never a lost screen
+        screen = state.screen = _Screen(hub, terminal, name, refresh)
+        if hub.stop_signal:  # signalled while the screen was being made
+            screen.signalled(0, hub.stop_signal)
+        state.thread.start()
         left = screen.wait()
-        first = not ended  # the screen left while the script runs: a quit at once, or it failed
+        first = not state.ended  # the screen left while the script runs: a quit at once, or it failed
         if first and left == 128 + signal.SIGHUP:  # its SIGHUP to us may still be on its way
-            hung_up.append(True)
-        screen.close(terminal)
-    if hung_up:
+            state.hung_up = True
+        screen.close(state.hung_up)
+    thread = state.thread
+    if state.hung_up:
         detach_from_terminal()
         thread.join()
-        return ended[0] if ended else 0
+        return state.ended[0] if state.ended else 0
     if first:
+        if left > 128 and left - 128 not in (signal.SIGINT, signal.SIGTERM) and not state.forced:
+            sys.stderr.write(f"gputui: the screen was ended by signal {left - 128}: stopping the script\n")
         # Stop the script as a second Ctrl-C would, once its save (if any) is whole, so its finally
         # blocks run. A thread blocked in C cannot be interrupted: it gets a moment, then is left behind.
-        if not raised:
-            raised.append(True)
+        if not state.raised:
+            state.raised = True
             interrupts.interrupt(thread, KeyboardInterrupt)
         interrupts.wait_for_saves(_announce)
         thread.join(UNWIND_S)
     else:
         thread.join()  # it has only the screen's message left to send
-    code = left if first else ended[0]
+    code = state.forced or (left if first else state.ended[0])
     lines = output.tail(SCRIPT_TAIL)
     if lines:  # what the script said last (its save, its summary) stays visible
         print(f"gputui: {name} printed (last {len(lines)} lines; l in the TUI shows all):")
         print("\n".join(lines))
-    if not first and code:
+    if not first and code and not state.forced:
         failure = report.getvalue() or f"exit code {code}"
         sys.stderr.write(failure if failure.endswith("\n") else failure + "\n")
     if thread.is_alive():
@@ -184,27 +222,42 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     return code
 
 
-def _install_signals(
-    hub: Any, screen: _Screen, thread: threading.Thread, hung_up: list[bool], raised: list[bool], ended: list[int]
-) -> None:
+class _State:
+    """What run_tui and its signal handlers share."""
+
+    def __init__(self) -> None:
+        self.screen: _Screen | None = None
+        self.thread: threading.Thread | None = None
+        self.ended: list[int] = []  # the script's exit code, once it has ended
+        self.hung_up = False
+        self.raised = False  # an exception was sent to the script's thread to stop it at once
+        self.forced = 0  # 128 + the signal that stopped the run at once
+
+
+def _install_signals(hub: Any, state: _State) -> None:
     """Handlers only set flags and send signals: they may interrupt code that holds a lock."""
 
     def hangup(signum: int, frame: Any) -> None:
         """The terminal is gone (the screen sends it when no SIGHUP came): training goes on headless."""
-        if not hung_up:
-            hung_up.append(True)
-            screen.signal(signal.SIGHUP)
+        if not state.hung_up:
+            state.hung_up = True
+            if state.screen is not None:
+                state.screen.signal(signal.SIGHUP)
 
     def stop(signum: int, frame: Any) -> None:
         if hub.stop_signal is None:  # the fit stops after its step, the script finishes, the screen leaves
             hub.stop_signal = STOPS[signum]
-            latest = hub.latest()  # its lock is never held by this (the main) thread
-            screen.signalled(latest.step if latest is not None else 0, STOPS[signum])
+            if state.screen is not None:
+                latest = hub.latest()  # its lock is never held by this (the main) thread
+                state.screen.signalled(latest.step if latest is not None else 0, STOPS[signum])
             return
-        if thread.is_alive() and not ended and not raised:  # the second one: stop now (after a save)
-            raised.append(True)
+        state.forced = state.forced or 128 + signum  # the second one: stop now (after a save)
+        thread = state.thread
+        if thread is not None and thread.is_alive() and not state.ended and not state.raised:
+            state.raised = True
             interrupts.interrupt(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
-        screen.signal(signum)  # it leaves now (128 + signum)
+        if state.screen is not None:
+            state.screen.leave_now()
 
     signal.signal(signal.SIGHUP, hangup)
     for sig in STOPS:

@@ -48,12 +48,11 @@ def screen_main(argv: list[str]) -> int:
                 os.kill(pid, signal.SIGHUP)  # the run goes on headless
             _schedule(lambda: apps[0].exit(None) if apps else None)
 
-    def quit_now(signum: int, frame: Any) -> None:  # Ctrl-C is a key in the app: this came from elsewhere
+    def quit_now(signum: int, frame: Any) -> None:  # the run tells it to leave at once, or the run died
         _schedule(lambda: apps[0].exit(128 + signum) if apps else None)
 
     signal.signal(signal.SIGHUP, hangup)
-    for sig in STOPS:
-        signal.signal(sig, quit_now)
+    signal.signal(signal.SIGTERM, quit_now)  # SIGINT stays ignored (__main__.py): the run takes a Ctrl-C
     mirror = Mirror(f"fd {fd}", pid, control=True, sock=socket.socket(fileno=fd)).start()
     log = OutputLog()
     with guarded_terminal(log.write) as terminal:

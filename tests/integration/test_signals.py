@@ -396,3 +396,61 @@ def test_sigterm_in_the_tui_interrupts_a_scripts_own_loop(tmp_path, tui):
     stopped = [r for r in run.records() if r.get("name") == "stopped"]
     assert stopped[0]["reason"].startswith("terminated: KeyboardInterrupt")
     assert run.records()[-1]["kind"] == "end" and os.listdir(run.sockets) == []
+
+
+def screen_of(run, timeout=30):
+    """The pid of the run's screen (`python -m gputui.tui`, its child), once it is there."""
+    import psutil
+
+    def find():
+        for child in psutil.Process(run.pid).children():
+            if "gputui.tui" in " ".join(child.cmdline()):
+                return child.pid
+        return None
+
+    deadline = time.monotonic() + timeout
+    while (pid := find()) is None:
+        assert time.monotonic() < deadline, f"no screen; screen: {run.text()}"
+        time.sleep(0.01)
+    return pid
+
+
+def assert_terminal_given_back(run):
+    attrs = termios.tcgetattr(run.master)
+    assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO, "the terminal is out of raw mode"
+
+
+def test_a_ctrl_c_before_the_screen_is_up_stops_after_the_step_and_saves(tmp_path, tui):
+    # The terminal is not raw yet: the Ctrl-C reaches the screen too, still starting. The run takes it.
+    run = tui(write_script(tmp_path))
+    screen_of(run)  # just started: importing textual, the terminal still cooked
+    os.killpg(run.pid, signal.SIGINT)  # what the terminal does with a Ctrl-C: the whole foreground group
+    assert run.exit_code() == 3
+    run.assert_ended_cleanly("interrupted")
+    assert_terminal_given_back(run)
+
+
+def test_a_killed_screen_stops_the_script_and_the_terminal_is_given_back_whole(tmp_path, tui):
+    run = tui(write_script(tmp_path))
+    run.wait_steps(3)
+    run.wait_for(lambda: b"\x1b[?1000h" in run.screen)  # the screen is up, the mouse reported
+    os.kill(screen_of(run), signal.SIGKILL)
+    assert run.exit_code() == 128 + signal.SIGKILL
+    assert_terminal_given_back(run)
+    run.wait_for(lambda: b"the screen was ended by signal 9" in run.screen)
+    tail = run.screen[run.screen.rfind(b"\x1b[?1000h") :]
+    assert b"\x1b[?1000l" in tail and b"\x1b[?1049l" in tail, "mouse reporting off, out of the alternate screen"
+    assert run.records()[-1]["kind"] == "end", "the script unwound: fit wrote its end record"
+
+
+def test_a_screen_whose_run_died_leaves(tmp_path, tui):
+    import psutil
+
+    # Under a shell that outlives the run, as a user's does: the terminal stays, with the shell on it.
+    run = tui(write_script(tmp_path), shell='stay() { "$@"; sleep 60; }; stay')
+    run.wait_steps(3)
+    (gputui,) = [p for p in psutil.Process(run.pid).children() if "gputui" in " ".join(p.cmdline())]
+    (screen,) = [p for p in gputui.children() if "gputui.tui" in " ".join(p.cmdline())]
+    gputui.kill()
+    screen.wait(10)  # it does not stay behind on a terminal whose keys go to the shell
+    assert_terminal_given_back(run)
