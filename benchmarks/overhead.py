@@ -229,9 +229,19 @@ def markdown(r: dict[str, Any]) -> str:
         "",
     ]
     for _model, w in r["workloads"].items():
+        plain = w["samples_per_s"]["plain"]
+        spread = plain["max"] / plain["min"] if plain.get("min") else 1.0
         lines += [
             f"**{w['description']}**: {w['steps']} timed steps after {w['warmup']} warm-up steps; "
-            f"machine time stolen by the hypervisor during the runs: {harness.spread(w['steal_pct'], 2, '%')}.",
+            f"machine time stolen by the hypervisor during the runs: {harness.spread(w['steal_pct'], 2, '%')}."
+            + (
+                f" The plain loop's own runs are {spread:.2f}x apart: each run lands in a fast or a slow mode of "
+                "this machine whatever the loop (torch's threads and whatever else runs share two cores), so the "
+                "ratios of medians say which mode each loop drew more often; read the paired ratios and the "
+                "one-process figures below."
+                if spread > 1.25
+                else ""
+            ),
             "",
             "| loop | samples/s | step (median, ms) | ratio to plain | CPU of gputui's threads | CPU of the screen |",
             "| --- | --- | --- | --- | --- | --- |",
