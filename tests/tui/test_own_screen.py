@@ -3,37 +3,21 @@ pair (no socket folder), with control, its "script" ending when the run says so.
 
 import os
 import socket
-import time
 from functools import partial
 
 import pytest
 from conftest import text, until
+from fakes import cpu_sample
 
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.run import RunInfo
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
 from gputui.tui.runner import _script_end
 from gputui.tui.screens import FailureScreen
-
-
-def sample(step):
-    return StepSample(
-        t=time.time(),
-        step=step,
-        epoch=0,
-        loss=1.0 / step,
-        batch_size=16,
-        micro_batch=16,
-        accumulation=1,
-        amp="off",
-        checkpointing=False,
-        samples_per_s=800.0,
-        memory=Memory("cpu", allocated=1000, peak=2000),
-    )
 
 
 @pytest.fixture
@@ -60,7 +44,7 @@ async def test_the_screen_shows_the_run_steers_it_and_shows_how_its_script_ended
     hub.start(RunInfo(mode="fit", device="cpu", argv=("train.py",), pid=os.getpid()))
     async with app.run_test(size=(110, 40)) as pilot:
         for step in range(1, 6):
-            hub.publish(sample(step))
+            hub.publish(cpu_sample(step))
         hub.output.write("epoch 1 done\n")
         await until(pilot, lambda: app.view.latest is not None and app.view.latest.step == 5)
         await until(pilot, lambda: "epoch 1 done" in app.output.lines)  # what `l` shows
