@@ -145,6 +145,11 @@ class Chart:
             x = line.read(s.values, plot_width * 2)
             self._redraw = min(self._redraw, 0 if x is None else x // 2)
 
+    def restart(self) -> None:
+        """Forget what was read: the next read() takes every point anew and fills the width, as a chart
+        drawn at once does (a run that ended is shown whole, not squeezed to make room for more)."""
+        self._width = 0
+
     def span(self, index: int) -> tuple[float, float]:
         """The lowest and highest point of series `index` (inf, -inf before it has one)."""
         return self._lines[index].low, self._lines[index].high

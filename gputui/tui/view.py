@@ -123,6 +123,7 @@ class RunView:
         if update.summary is not None and self.summary is None:
             self.summary = update.summary
             self.ended = self.ended or self.clock()
+            changed = True  # the run ended: the header's status, the charts drawn whole
         if update.gpus is not self.gpus:
             self.gpus = update.gpus
             changed = True

@@ -188,6 +188,23 @@ def same(a: Text | Row, b: Text | Row) -> bool:
     return a == b
 
 
+class ChartPanel(LinePanel):
+    """A panel with a chart, drawn anew over the whole width once the run has ended."""
+
+    def __init__(self, view: RunView, chart: Chart, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self.chart = chart
+        self._ended: tuple[int, bool] | None = None
+
+    def read(self, series: list[Series], width: int) -> None:
+        ended = (self.view.generation, not self.view.training)
+        if ended != self._ended:
+            self._ended = ended
+            if ended[1]:
+                self.chart.restart()
+        self.chart.read(series, width)
+
+
 class HeaderBar(LinePanel):
     """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...)."""
 
@@ -244,15 +261,14 @@ class HeaderBar(LinePanel):
         return [text]
 
 
-class MemoryPanel(LinePanel):
+class MemoryPanel(ChartPanel):
     """The device's capacity as one bar, the figures beside it, and the run's memory history."""
 
     def __init__(self, view: RunView, *, id: str | None = None) -> None:
-        super().__init__(view, id=id)
-        self.chart = Chart(label=format_bytes_short)
+        super().__init__(view, Chart(label=format_bytes_short), id=id)
 
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen, self.view.ooms, self.view.exit_code
+        return self.view.generation, self.view.samples_seen, self.view.ooms, self.view.exit_code, self.view.training
 
     def title(self) -> Text:
         if not self.view.samples_seen:
@@ -282,7 +298,7 @@ class MemoryPanel(LinePanel):
             h = v.series
             series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
             series += [Series(h.peak.values, PEAK, peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
-            self.chart.read(series, width)
+            self.read(series, width)
             peak = self.chart.span(len(series) - 2)[1]
             top = m.capacity if m.capacity and m.capacity < 2 * max(peak, 0) else None
             lines.extend(self.chart.draw(rows, low=0, high=top))
@@ -521,14 +537,13 @@ class LossTrend:
         return self.raw[self._later[0]] if len(self.raw) >= 20 else None
 
 
-class LossPanel(LinePanel):
+class LossPanel(ChartPanel):
     def __init__(self, view: RunView, *, id: str | None = None) -> None:
-        super().__init__(view, id=id)
+        super().__init__(view, Chart(), id=id)
         self.trend = LossTrend()
-        self.chart = Chart()
 
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen, self.view.exit_code
+        return self.view.generation, self.view.samples_seen, self.view.exit_code, self.view.training
 
     def title(self) -> Text:
         return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
@@ -552,7 +567,7 @@ class LossPanel(LinePanel):
         lines: list[Text | Row] = list(flow(head, width))
         rows = height - len(lines) - 1
         if rows >= 2:
-            self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
+            self.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
             lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
             lines.append(axis(v.series.loss.steps, width, self.chart.extent))
         return lines
