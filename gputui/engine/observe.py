@@ -176,7 +176,12 @@ class Observer:
         self._hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         try:
             with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
-                yield self
+                try:
+                    yield self
+                finally:
+                    if self._aside == threading.get_ident():  # a fit that failed before its run could end
+                        torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks)
+                        self._aside = None
         finally:
             for owner, name, original in originals:
                 setattr(owner, name, original)

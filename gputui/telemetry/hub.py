@@ -99,6 +99,14 @@ class Hub:
             self.runs += 1
         self._call("on_start", info)
 
+    def last_step(self) -> int:
+        """The step published last (0 before any), without the lock: a signal handler asks, in a thread
+        that may hold it (a deque's last item is read atomically)."""
+        try:
+            return self._samples[-1].step
+        except IndexError:
+            return 0
+
     def publish(self, sample: StepSample) -> None:
         """Publish a sample made already (one received from a job); the engine publishes records."""
         self.publish_record(StepRecord.of(sample))

@@ -93,9 +93,13 @@ class _Screen:
         self.server.adopt(ours, self.process.pid)
         self.server.start(listen=False)
         self.deadline: float | None = None  # told to leave at once: killed if still there then
+        self.gone = False
 
     def signal(self, signum: int) -> None:
-        """Only system calls: safe in a signal handler. A stopped screen (SIGSTOP) is woken to take it."""
+        """Only system calls: safe in a signal handler. A stopped screen (SIGSTOP) is woken to take it;
+        one that has left is not signalled (its pid may be another process's by now)."""
+        if self.gone:
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signum)
             os.kill(self.process.pid, signal.SIGCONT)
@@ -121,6 +125,7 @@ class _Screen:
         while True:
             try:
                 code = self.process.wait(WAIT_TICK)
+                self.gone = True
                 return 128 - code if code < 0 else code
             except subprocess.TimeoutExpired:
                 if self.deadline is not None and time.monotonic() > self.deadline:
@@ -175,8 +180,7 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
                 code = exc.code if isinstance(exc, _Terminated) and isinstance(exc.code, int) else 130
             state.ended.append(code)
             assert state.screen is not None  # the thread starts once the screen has
-            latest = hub.latest()
-            state.screen.script_ended(latest.step if latest is not None else 0, code, report.getvalue())
+            state.screen.script_ended(hub.last_step(), code, report.getvalue())
 
         state.thread = threading.Thread(target=train, name="gputui-training", daemon=True)
         _install_signals(hub, state)  # before the screen: a signal now is a stop, never a lost screen
@@ -243,13 +247,13 @@ def _install_signals(hub: Any, state: _State) -> None:
             state.hung_up = True
             if state.screen is not None:
                 state.screen.signal(signal.SIGHUP)
+                state.screen.deadline = time.monotonic() + SCREEN_GRACE  # one that does not leave is killed
 
     def stop(signum: int, frame: Any) -> None:
         if hub.stop_signal is None:  # the fit stops after its step, the script finishes, the screen leaves
             hub.stop_signal = STOPS[signum]
             if state.screen is not None:
-                latest = hub.latest()  # its lock is never held by this (the main) thread
-                state.screen.signalled(latest.step if latest is not None else 0, STOPS[signum])
+                state.screen.signalled(hub.last_step(), STOPS[signum])
             return
         state.forced = state.forced or 128 + signum  # the second one: stop now (after a save)
         thread = state.thread

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from functools import partial
 from typing import Any, TextIO
 
@@ -22,13 +23,18 @@ from .local import STOPS
 from .remote import RemoteSource
 from .terminal import Terminal, guarded_terminal
 
+GONE_WAIT = 0.5
+"""Seconds the screen gives a run whose end of the pair closed to be gone (else it let the screen go)."""
 
-def _schedule(callback: Any, *args: Any) -> None:
-    """From a signal handler, between two steps of the app's event loop: schedule, do not call."""
+
+def _schedule(callback: Any, *args: Any) -> bool:
+    """From a signal handler, between two steps of the app's event loop: schedule, do not call.
+    False if no loop runs (the app has not started, or has ended)."""
     try:
         asyncio.get_running_loop().call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # the loop is not running (the app has not started or has ended)
-        pass
+    except RuntimeError:
+        return False
+    return True
 
 
 def screen_main(argv: list[str]) -> int:
@@ -38,6 +44,11 @@ def screen_main(argv: list[str]) -> int:
     apps: list[GputuiApp] = []
     hung_up: list[bool] = []
     terminals: list[Terminal] = []
+    pending: list[int | None] = []  # an exit asked for before the app's loop ran: the app does not start
+
+    def leave(code: int | None) -> None:
+        if not _schedule(lambda: apps[0].exit(code) if apps else None):
+            pending.append(code)
 
     def hangup(signum: int, frame: Any) -> None:
         if not hung_up:
@@ -46,10 +57,10 @@ def screen_main(argv: list[str]) -> int:
                 terminals[0].release()  # Textual's last writes go nowhere instead of failing
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGHUP)  # the run goes on headless
-            _schedule(lambda: apps[0].exit(None) if apps else None)
+            leave(None)
 
     def quit_now(signum: int, frame: Any) -> None:  # the run tells it to leave at once, or the run died
-        _schedule(lambda: apps[0].exit(128 + signum) if apps else None)
+        leave(128 + signum)
 
     signal.signal(signal.SIGHUP, hangup)
     signal.signal(signal.SIGTERM, quit_now)  # SIGINT stays ignored (__main__.py): the run takes a Ctrl-C
@@ -61,8 +72,11 @@ def screen_main(argv: list[str]) -> int:
             RemoteSource(mirror, control=True), script=script, runner=partial(_script_end, mirror), refresh=refresh
         )
         apps.append(app)
-        app.run()
+        if not pending:
+            app.run()
     mirror.stop()
+    if pending and not hung_up:
+        return pending[0] or 1
     if hung_up:
         return 128 + signal.SIGHUP
     if app.return_code:  # the app itself failed: its report went to the captured output
@@ -78,6 +92,10 @@ def _script_end(mirror: Mirror, report: TextIO) -> int:
     """The screen's "script": it ends when the run says its script has, or when the run is gone."""
     mirror.done.wait()
     event = mirror.script_ended
+    if event is None and _lives(mirror.pid):
+        # The run lives, but let this screen go (it fell too far behind: stopped for a minute): the run
+        # goes on headless, as after a hang-up, rather than be stopped by a quit from a stale screen.
+        os.kill(os.getpid(), signal.SIGHUP)
     if event is None:
         report.write(f"gputui: {mirror.status or 'the run is gone'}\n")
         return 1
@@ -85,6 +103,13 @@ def _script_end(mirror: Mirror, report: TextIO) -> int:
     if isinstance(lines, list):
         report.write("".join(f"{line}\n" for line in lines if isinstance(line, str)))
     return code if isinstance(code, int) else 1
+
+
+def _lives(parent: int | None) -> bool:
+    """Whether the run that started this screen is still there: a run that dies closes its end of the
+    pair a moment before this process is handed to another parent (and sent SIGTERM)."""
+    time.sleep(GONE_WAIT)
+    return parent is not None and os.getppid() == parent
 
 
 def attach_tui(path: str, pid: int | None, *, control: bool, refresh: float) -> int:
