@@ -105,10 +105,6 @@ FOLD_AT = 4096
 """Steps kept unfolded at most: the history stays bounded (it halves) with no client for days."""
 
 
-def _sample(item: StepSample | StepRecord) -> StepSample:
-    return item.sample() if isinstance(item, StepRecord) else item
-
-
 @dataclass
 class _Peer:
     sock: socket.socket
@@ -134,8 +130,8 @@ class TelemetryServer:
         # The run as the server has seen it, for clients that connect later.
         self._info: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
-        self._last_step: StepSample | StepRecord | None = None  # as an object: encoded only when a client wants it
-        self._unfolded: list[StepSample | StepRecord] = []  # steps not in _series yet: folded for a welcome
+        self._last_step: StepRecord | None = None  # as an object: encoded only when a client wants it
+        self._unfolded: list[StepRecord] = []  # steps not in _series yet: folded for a welcome
         self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._series = RunSeries()
         self._gpus: Any = None
@@ -156,7 +152,7 @@ class TelemetryServer:
         self._queue.append(("start", info))
 
     def on_sample(self, sample: StepSample) -> None:
-        self._queue.append(("step", sample))
+        self.on_record(StepRecord.of(sample))
 
     def on_record(self, record: StepRecord) -> None:
         self._queue.append(("step", record))  # its sample is made on this server's thread (_record)
@@ -322,7 +318,7 @@ class TelemetryServer:
             self._fold()
             records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
             if self._last_step is not None:
-                records.append(clean(_sample(self._last_step).to_json()))
+                records.append(clean(self._last_step.sample().to_json()))
             if self._gpus is not None:
                 records.append(self._gpus)
             if self._printed or self._current:
@@ -431,7 +427,7 @@ class TelemetryServer:
                 if len(self._unfolded) >= FOLD_AT:
                     self._fold()
             # Cleaned only if it fails to encode: a walk a step.
-            return _sample(item).to_json() if self._peers else None
+            return item.sample().to_json() if self._peers else None
         if kind == "event":
             record = clean(item.to_json())
             self._events.append(record)
@@ -445,7 +441,7 @@ class TelemetryServer:
         """The steps since the last fold into the history a welcome sends: made into samples when a
         client comes, not each step (no client, no work a step beyond an append)."""
         for item in self._unfolded:
-            self._series.add(_sample(item))
+            self._series.add(item.sample())
         self._unfolded.clear()
 
     def _answered(self, ids: set[int]) -> None:

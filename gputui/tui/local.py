@@ -104,9 +104,10 @@ class _Screen:
             os.kill(self.process.pid, signum)
             os.kill(self.process.pid, signal.SIGCONT)
 
-    def leave_now(self) -> None:
-        """A second stop signal: the screen leaves at once, and is killed if it has not in SCREEN_GRACE s."""
-        self.signal(signal.SIGTERM)
+    def leave(self, signum: int) -> None:
+        """It leaves at once (SIGTERM: a second stop signal; SIGHUP: the terminal is gone), and is killed
+        if it has not in SCREEN_GRACE s."""
+        self.signal(signum)
         self.deadline = time.monotonic() + SCREEN_GRACE
 
     def signalled(self, step: int, reason: str) -> None:
@@ -177,8 +178,8 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
             try:
                 code = run_script(script, args, err=report, observe=hub)
             except BaseException as exc:  # a stop at once that landed after the script ended
-                code = exc.code if isinstance(exc, _Terminated) and isinstance(exc.code, int) else 130
-            state.ended.append(code)
+                code = 128 + signal.SIGTERM if isinstance(exc, _Terminated) else 130
+            state.ended = code
             assert state.screen is not None  # the thread starts once the screen has
             state.screen.script_ended(hub.last_step(), code, report.getvalue())
 
@@ -189,7 +190,7 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
             screen.signalled(0, hub.stop_signal)
         state.thread.start()
         left = screen.wait()
-        first = not state.ended  # the screen left while the script runs: a quit at once, or it failed
+        first = state.ended is None  # the screen left while the script runs: a quit at once, or it failed
         if first and left == 128 + signal.SIGHUP:  # its SIGHUP to us may still be on its way
             state.hung_up = True
         screen.close(state.hung_up)
@@ -197,7 +198,7 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     if state.hung_up:
         detach_from_terminal()
         thread.join()
-        return state.ended[0] if state.ended else 0
+        return state.ended or 0
     if first:
         if left > 128 and left - 128 not in (signal.SIGINT, signal.SIGTERM) and not state.forced:
             sys.stderr.write(f"gputui: the screen was ended by signal {left - 128}: stopping the script\n")
@@ -210,7 +211,7 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
         thread.join(UNWIND_S)
     else:
         thread.join()  # it has only the screen's message left to send
-    code = state.forced or (left if first else state.ended[0])
+    code = state.forced or (left if first or state.ended is None else state.ended)
     lines = output.tail(SCRIPT_TAIL)
     if lines:  # what the script said last (its save, its summary) stays visible
         print(f"gputui: {name} printed (last {len(lines)} lines; l in the TUI shows all):")
@@ -232,7 +233,7 @@ class _State:
     def __init__(self) -> None:
         self.screen: _Screen | None = None
         self.thread: threading.Thread | None = None
-        self.ended: list[int] = []  # the script's exit code, once it has ended
+        self.ended: int | None = None  # the script's exit code, once it has ended
         self.hung_up = False
         self.raised = False  # an exception was sent to the script's thread to stop it at once
         self.forced = 0  # 128 + the signal that stopped the run at once
@@ -246,8 +247,7 @@ def _install_signals(hub: Any, state: _State) -> None:
         if not state.hung_up:
             state.hung_up = True
             if state.screen is not None:
-                state.screen.signal(signal.SIGHUP)
-                state.screen.deadline = time.monotonic() + SCREEN_GRACE  # one that does not leave is killed
+                state.screen.leave(signal.SIGHUP)
 
     def stop(signum: int, frame: Any) -> None:
         if hub.stop_signal is None:  # the fit stops after its step, the script finishes, the screen leaves
@@ -257,11 +257,11 @@ def _install_signals(hub: Any, state: _State) -> None:
             return
         state.forced = state.forced or 128 + signum  # the second one: stop now (after a save)
         thread = state.thread
-        if thread is not None and thread.is_alive() and not state.ended and not state.raised:
+        if thread is not None and thread.is_alive() and state.ended is None and not state.raised:
             state.raised = True
             interrupts.interrupt(thread, KeyboardInterrupt if signum == signal.SIGINT else _Terminated)
         if state.screen is not None:
-            state.screen.leave_now()
+            state.screen.leave(signal.SIGTERM)
 
     signal.signal(signal.SIGHUP, hangup)
     for sig in STOPS:

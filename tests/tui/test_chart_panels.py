@@ -2,6 +2,7 @@
 from earlier frames are the lines the panel would draw anew."""
 
 import io
+from dataclasses import replace
 
 from fakes import GPUS, FrozenClock, cuda_run, cuda_sample
 from rich.console import Console
@@ -82,16 +83,15 @@ async def test_a_run_that_ended_is_drawn_over_the_whole_width():
     from gputui.tui.widgets import ChartPanel
 
     source = cuda_run()
-    info = source.update.info
     app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        source.update = Update([cuda_sample(301)], [], info, None, GPUS, runs=1)  # squeezed to make room
+        source.push([cuda_sample(301)])  # squeezed to make room
         app.pull()
         await pilot.pause()
         full = {panel.id: panel.content_size.width - panel.chart.gutter for panel in app.main.query(ChartPanel)}
         assert all(panel.chart.extent < full[panel.id] for panel in app.main.query(ChartPanel))
-        source.update = Update([], [], info, RunSummary(steps=301), GPUS, runs=1)
+        source.update = replace(source.update, summary=RunSummary(steps=301))
         app.pull()
         await pilot.pause()
         assert {panel.id: panel.chart.extent for panel in app.main.query(ChartPanel)} == full
