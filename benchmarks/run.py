@@ -115,6 +115,13 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
             f"{mlp['ratio']['tui']:.2f}x; measured step by step in one process, fit adds "
             f"{mlp['interleaved']['added_us']['median']:.0f} us to the MLP's step"
         )
+        goal = oh["workloads"].get("mlp-3ms")
+        if goal:
+            parts[-1] += (
+                f"; on a {goal['step_ms']['plain']['median']:.1f} ms step (the MLP at batch "
+                f"{importlib.import_module('overhead').WORKLOADS['mlp-3ms'][2]}, one thread) "
+                f"{goal['ratio']['fit']:.2f}x, {goal['ratio']['run']:.2f}x and {goal['ratio']['tui']:.2f}x"
+            )
         two = oh["workloads"]["mlp"]
         if free and not bimodal(two):
             parts[-1] += (

@@ -16,9 +16,10 @@ from typing import Any
 
 import harness
 
-FULL = {"runs": 10, "cpu_s": 10.0, "samples": 2000, "frames": 60}
+FULL = {"runs": 10, "cpu_s": 10.0, "samples": 5000, "frames": 60}
 QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10}
 PUBLISH_HZ = 500  # a 2 ms step
+ROWS_PER_RECORD = 35  # a turn's steps (50 ms) at ~700 steps a second: the tiny MLP on one thread
 
 READER = """
 import sys
@@ -26,7 +27,7 @@ from gputui.telemetry.client import Connection
 with Connection(sys.argv[1], timeout=None) as conn:
     steps = 0
     while (record := conn.read()) is not None:
-        steps += record["kind"] == "step"
+        steps += len(record["rows"]) if record["kind"] == "steps" else 0
 print(steps)
 """
 
@@ -203,6 +204,45 @@ def server_cost(clients: int, samples: int, sample: Any, tmp: str, env: dict[str
     }
 
 
+def client_cost(sample: Any, steps: int) -> dict[str, Any]:
+    """What a client (attach's Mirror, as the TUI's screen uses it) spends a step: read the line, parse
+    and check it, make the sample and publish it into its hub. The job's side is a socket pair fed
+    steps the server's way (a record a turn, ROWS_PER_RECORD rows), encoded before the clock starts."""
+    import dataclasses
+    import socket
+    import threading
+
+    from gputui.telemetry.client import Mirror
+    from gputui.telemetry.protocol import encode
+    from gputui.telemetry.sample import StepRecord
+
+    rows = [StepRecord.of(dataclasses.replace(sample, step=n)).row() for n in range(1, steps + 1)]
+    hello = {"kind": "hello", "pid": os.getpid(), "argv": ["bench"], "runs": 1, "info": None, "summary": None}
+    stream = b"".join(
+        [encode(hello), encode({"kind": "live"})]
+        + [encode({"kind": "steps", "rows": rows[i : i + ROWS_PER_RECORD]}) for i in range(0, steps, ROWS_PER_RECORD)]
+    )
+    job, mine = socket.socketpair()
+    mirror = Mirror("pair", None, sock=mine)
+    cpu0 = time.process_time()
+    mirror.start()
+    feeder = threading.Thread(target=lambda: (job.sendall(stream), job.shutdown(socket.SHUT_WR)))
+    feeder.start()
+    mirror.done.wait(120)
+    cpu = time.process_time() - cpu0
+    feeder.join()
+    job.close()
+    received = mirror.hub.last_step()
+    if received != steps:
+        raise RuntimeError(f"the mirror published {received} steps of {steps}: {mirror.status}")
+    return {
+        "steps": steps,
+        "rows_per_record": ROWS_PER_RECORD,
+        "bytes_per_step": len(stream) / steps,
+        "cpu_us_per_step": 1e6 * cpu / steps,
+    }
+
+
 def run(quick: bool, device: str) -> dict[str, Any]:
     config = QUICK if quick else FULL
     out: dict[str, Any] = {}
@@ -211,7 +251,6 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         os.environ["XDG_RUNTIME_DIR"] = env["XDG_RUNTIME_DIR"]  # this process finds the job's socket there
         from gputui.telemetry.client import Connection
         from gputui.telemetry.paths import socket_path
-        from gputui.telemetry.sample import StepSample
 
         out["help"] = help_start(config["runs"], env)
         print(f"tool costs: gputui --help {out['help']['ms']['median']:.0f} ms", file=sys.stderr)
@@ -238,8 +277,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                 with Connection(path) as conn:
                     return conn.welcome().latest
 
-            record = harness.wait_until(latest, 60, 0.05)
-            sample = StepSample.from_json(record)
+            sample = harness.wait_until(latest, 60, 0.05)
             attach = []
             for _ in range(config["runs"]):
                 seconds, done = timed([*harness.gputui_cmd(), "attach", str(proc.pid), "--json"], env)
@@ -256,6 +294,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                 f"tool costs: attach TUI CPU {[round(a['cpu_pct'], 1) for a in out['attach_tui']]} %", file=sys.stderr
             )
         out["server"] = [server_cost(n, config["samples"], sample, tmp, env) for n in (0, 1, 4)]
+        out["client"] = client_cost(sample, 10 * config["samples"])
     return out
 
 
@@ -305,6 +344,15 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {s['clients']} | {harness.spread(s['publish_us'])} us | {harness.fmt(s['publish_us_p99'])} us | "
             f"{harness.fmt(s['server_cpu_us_per_sample'])} us | {got} of {s['samples']} |"
         )
+    c = r.get("client")
+    if c:
+        lines += [
+            "",
+            f"A client's CPU a step (attach's Mirror, as the screen of `gputui run` uses it: read, parse, check, "
+            f"publish into its hub), {c['steps']:,} steps fed through a socket pair {c['rows_per_record']} to a "
+            f"record, as the server sends them at ~700 steps a second: **{harness.fmt(c['cpu_us_per_step'])} us** "
+            f"({c['bytes_per_step']:.0f} bytes a step on the wire).",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -205,11 +205,12 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=20, help="alternating: blocks of each loop")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's, one a core)")
+    p.add_argument("--batch", type=int, help="samples a step (default: the workload's)")
     p.add_argument("--out", required=True, help="where to write the JSON result")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    w = make(args.model, device=args.device)
+    w = make(args.model, device=args.device, batch=args.batch)
     if args.loop == "interleaved":
         data = Interleaved(w, args.warmup + args.steps)
         fit_loop(w, data)

@@ -134,7 +134,7 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     hello = welcome.hello or {}
     info = welcome.info
     argv = list(info.argv if info else ()) or hello.get("argv") or ["?"]
-    latest = welcome.latest or {}
+    latest = welcome.latest
     summary = hello.get("summary")
     state = RunSummary.from_json(summary).outcome if summary else "training" if info else "starting"
     data: dict[str, Any] = {
@@ -144,12 +144,12 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
         "device": info.device if info else None,
         "device_name": info.device_name if info else None,
         "state": state,
-        "step": latest.get("step"),
+        "step": None if latest is None else latest.step,
         "total_steps": info.total_steps if info else None,
         "rank": info.rank if info else None,
         "world_size": info.world_size if info else None,
         "job": info.job if info else None,
-        "loss": latest.get("loss"),
+        "loss": None if latest is None else latest.loss,
         "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1),
         "socket": job.path,
     }
@@ -199,7 +199,7 @@ def attach_json(job: Job, out: TextIO) -> int:
             welcome = conn.welcome()
         except (OSError, ProtocolError) as exc:
             raise _failed(job, exc) from None
-    record = welcome.latest or {"kind": "hello", **(welcome.hello or {})}
+    record = {"kind": "hello", **(welcome.hello or {})} if welcome.latest is None else welcome.latest.to_json()
     out.write(json.dumps(record, indent=2) + "\n")
     return 0
 

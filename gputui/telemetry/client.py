@@ -18,7 +18,8 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import contains
 from typing import Any
 
 from .describe import describe
@@ -27,7 +28,7 @@ from .output import left_out
 from .paths import ForeignPeer, check_peer, pid_alive
 from .protocol import MAX_SERVER_LINE, ProtocolError, encode, parse_server
 from .run import NUMBER, RunInfo, RunSummary
-from .sample import Event, GpuReading, StepSample
+from .sample import Event, GpuReading, HostReading, Memory, RankMemory, StepRecord, StepSample
 
 CONNECT_WAIT = 5.0
 """Seconds a connection waits for room in a job's listen backlog (full while others connect)."""
@@ -141,7 +142,7 @@ class Connection:
 class Welcome:
     hello: dict[str, Any] | None = None
     history: dict[str, Any] | None = None
-    latest: dict[str, Any] | None = None
+    latest: StepSample | None = None
     gpus: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -153,8 +154,8 @@ class Welcome:
             self.hello = record
         elif kind == "history":
             self.history = record
-        elif kind == "step":
-            self.latest = record
+        elif kind == "steps" and record["rows"]:
+            self.latest = StepRecord.from_row(record["rows"][-1]).sample()
         elif kind == "event":
             self.events.append(record)
         elif kind == "gpus":
@@ -169,52 +170,6 @@ class Welcome:
 # What the clients read, by record kind: field -> accepted types (None is always accepted, and
 # a field not named here passes as it is). The TUI formats these fields; a wrong type would
 # raise there, far from the socket.
-_MEMORY = {
-    "device": str,
-    **{
-        name: NUMBER
-        for name in (
-            "allocated",
-            "reserved",
-            "fragmented",
-            "peak",
-            "capacity",
-            "rss",
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "alloc_retries",
-            "ooms",
-            "active",
-            "device_free",
-            "nvml_used",
-            "nvml_device_used",
-            "cached_free",
-            "nvml_gap",
-        )
-    },
-}
-_HOST = dict.fromkeys(("rss", "cpu_percent", "system_used", "system_total"), NUMBER)
-_STEP = {
-    "t": NUMBER,
-    "step": int,
-    "epoch": int,
-    "loss": NUMBER,
-    "batch_size": int,
-    "micro_batch": int,
-    "accumulation": int,
-    "amp": str,
-    "checkpointing": bool,
-    "device": str,
-    "samples_per_s": NUMBER,
-    "samples": int,
-    "steps_per_s": NUMBER,
-    "loss_source": str,
-    "memory": dict,
-    "host": dict,
-    **dict.fromkeys(("allocated", "reserved", "fragmented", "peak", "rss"), NUMBER),
-}
 _DEVICE = {
     "index": int,
     "uuid": str,
@@ -241,7 +196,6 @@ _KINDS: dict[str, dict[str, Any]] = {
     },
     "start": {"runs": int, "info": dict},
     "end": {"summary": dict},
-    "step": _STEP,
     "event": {"name": str, "step": int, "t": NUMBER},
     "history": {"series": dict},
     "gpus": {"t": NUMBER, "driver": str, "status": str, "devices": list},
@@ -249,6 +203,48 @@ _KINDS: dict[str, dict[str, Any]] = {
     "ack": {"id": int, "request_id": int, "hello": bool, "control": bool},
     "error": {"id": int, "reason": str},
 }
+
+
+# A steps record's rows (sample.StepRecord.row()), by position: the exact types each value may have
+# (no bool for a number, no None where a step always has a value). A whole row is checked in one
+# pass of C code (map/all): a job sends hundreds a second.
+_INT, _BOOL, _STR, _LIST = frozenset({int}), frozenset({bool}), frozenset({str}), frozenset({list})
+_NUM, _NUM_NONE = frozenset({int, float}), frozenset({int, float, type(None)})
+_LIST_NONE, _STR_NONE = frozenset({list, type(None)}), frozenset({str, type(None)})
+_ROW_TYPES = (
+    *(_NUM, _INT, _INT, _NUM_NONE),  # t, step, epoch, loss
+    *(_INT, _INT, _INT),  # batch_size, micro_batch, accumulation
+    *(_STR, _BOOL, _NUM_NONE),  # amp, checkpointing, samples_per_s
+    *(_LIST, _INT, _LIST_NONE),  # memory, samples, host
+    *(_STR_NONE, _NUM_NONE, _LIST),  # loss_source, steps_per_s, ranks
+)
+_MEMORY_TYPES = (_STR,) + (_NUM_NONE,) * (len(fields(Memory)) - 1)
+_HOST_TYPES = (_NUM_NONE,) * len(fields(HostReading))
+_RANK_TYPES = (_INT, _INT, _NUM_NONE, _NUM_NONE, _NUM_NONE, _NUM_NONE, _INT)
+
+
+def _values(row: Any, types: tuple[frozenset[object], ...], cls: type, index: int, part: str) -> None:
+    """ProtocolError unless `row` is a list of len(types) values of those types (`cls`'s fields, named
+    in the error)."""
+    if type(row) is list and len(row) == len(types) and all(map(contains, types, map(type, row))):
+        return
+    where = f"a steps record's row {index}{part}"
+    if type(row) is not list or len(row) != len(types):
+        raise ProtocolError(f"{where} is not a list of {len(types)} values")
+    name, value = next((f.name, v) for f, v, t in zip(fields(cls), row, types, strict=True) if type(v) not in t)
+    raise ProtocolError(f"{where}: {name!r} is a {type(value).__name__}")
+
+
+def _rows(rows: Any) -> None:
+    if type(rows) is not list:
+        raise ProtocolError("a steps record without its rows")
+    for index, row in enumerate(rows):
+        _values(row, _ROW_TYPES, StepSample, index, "")
+        _values(row[10], _MEMORY_TYPES, Memory, index, "'s memory")
+        if row[12] is not None:
+            _values(row[12], _HOST_TYPES, HostReading, index, "'s host reading")
+        for rank in row[15]:
+            _values(rank, _RANK_TYPES, RankMemory, index, "'s rank")
 
 
 def _fields(record: Any, types: dict[str, Any], where: str) -> None:
@@ -265,9 +261,9 @@ def checked(record: dict[str, Any]) -> dict[str, Any]:
     kind = record["kind"]
     where = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} record"
     _fields(record, _KINDS.get(kind, {}), where)
-    for name, types in (("memory", _MEMORY), ("host", _HOST)):
-        if record.get(name) is not None:
-            _fields(record[name], types, f"{where}'s {name}")
+    if kind == "steps":
+        _rows(record.get("rows"))
+        return record
     for name, cls in (("info", RunInfo), ("summary", RunSummary)):
         if record.get(name) is not None:
             try:
@@ -429,8 +425,9 @@ class Mirror:
             elif kind == "start":
                 hub.start(RunInfo.from_json(record["info"]))
                 hub.runs = int(record.get("runs") or hub.runs)
-            elif kind == "step":
-                hub.publish(StepSample.from_json(record))
+            elif kind == "steps":
+                for row in record["rows"]:
+                    hub.publish_record(StepRecord.from_row(row))
             elif kind == "event":
                 event = Event.from_json(record)
                 hub.emit(event)

@@ -1,9 +1,10 @@
 """The attach protocol: newline-delimited JSON objects, each with "v" (the version) and "kind".
 
 Server to client: hello (who the job is), history (the run so far, in bounded points), then
-start / step / event / end / gpus / output records as they happen, ack / error answers to a client's
-requests, and live (the history is over). Client to server: hello (optionally asking for
-control) and control requests. Client lines are small, bounded and checked field by field:
+start / steps / event / end / gpus / output records as they happen (steps: the steps since the
+server's last turn, each a row of values in StepSample's field order, sample.StepRecord.row()),
+ack / error answers to a client's requests, and live (the history is over). Client to server:
+hello (optionally asking for control) and control requests. Client lines are small, bounded and checked field by field:
 nothing a client sends is ever evaluated or unpickled. Server lines are stripped of control
 characters (a fake or broken job must not drive the user's terminal) and bounded in depth.
 """
@@ -16,7 +17,11 @@ from typing import Any
 
 from .controls import ACTIONS
 from .printable import printable
-from .sample import VERSION
+
+VERSION = 2
+"""The protocol's version, in every line; bumped on any incompatible change (2: steps as rows, whose
+layout is StepSample's fields: a field added is a new version). A client and a job that differ say
+so rather than misread each other."""
 
 MAX_CLIENT_LINE = 4096
 """Bytes a client line may take: a control request needs under 200."""
@@ -39,7 +44,9 @@ class ProtocolError(ValueError):
 
 
 def encode(record: dict[str, Any]) -> bytes:
-    return json.dumps({"v": VERSION, **record}, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    """One line; ValueError for a NaN or an infinity (clean() makes them null), TypeError for what JSON
+    has no form for. The records' own "v" (their metrics-file version) gives way to the protocol's."""
+    return json.dumps({**record, "v": VERSION}, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
 def _object(line: bytes, limit: int) -> dict[str, Any]:
@@ -101,18 +108,21 @@ def parse_server(line: bytes) -> dict[str, Any]:
 
     A line of printable ASCII without a backslash (JSON escapes every control character, and takes
     none raw in a string) has nothing to strip; with no risky number and fewer brackets than the
-    depth limit, it is returned as parsed: a step record, many a second, costs no walk."""
+    depth limit, it is returned as parsed: the steps, many a second, cost no walk. A steps record
+    has a bracket or four a step, and is exempt from that count: its shape is checked whole
+    (client.checked(): rows of values, three levels at most), and nothing reads it before."""
     data = _object(line, MAX_SERVER_LINE)
-    return data if _plain(line) else _printable(data, 0, None)
+    return data if _plain(line, data["kind"] != "steps") else _printable(data, 0, None)
 
 
-def _plain(line: bytes) -> bool:
+def _plain(line: bytes, count_brackets: bool) -> bool:
     if (
         not line.isascii()
         or b"\\" in line
         or b"\x7f" in line
         or b"\x00" in line
-        or line.count(b"{") + line.count(b"[") > MAX_DEPTH
+        or count_brackets
+        and line.count(b"{") + line.count(b"[") > MAX_DEPTH
     ):
         return False
     digits = line.translate(_DIGITS)

@@ -10,10 +10,12 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 VERSION = 1
-"""Version of the wire and metrics-file records; bumped on any incompatible change."""
+"""Version of the metrics file's records (the attach protocol has its own: protocol.VERSION);
+bumped on any incompatible change."""
 
 
 _NAMES: dict[type, tuple[str, ...]] = {}
@@ -265,18 +267,6 @@ class StepSample:
             **({"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}),
         }
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StepSample:
-        """A step line (as written by to_json) back into a sample; KeyError/TypeError if malformed."""
-        values = {name: data[name] for name in _STEP_FIELDS}
-        values["memory"] = Memory.from_json(data["memory"])
-        values["host"] = HostReading.from_json(data["host"]) if data.get("host") else None
-        values["samples"] = data.get("samples", 0)
-        values["loss_source"] = data.get("loss_source")
-        values["steps_per_s"] = data.get("steps_per_s")
-        values["ranks"] = tuple(RankMemory.from_json(r) for r in data.get("ranks") or ())
-        return cls(**values)
-
 
 class StepRecord:
     """A step as the training thread publishes it: StepSample's fields in their order, in a tuple.
@@ -303,6 +293,38 @@ class StepRecord:
         if sample is None:  # two readers at once may both make it: equal samples, one kept
             sample = self._sample = StepSample(*self.fields)
         return sample
+
+    def row(self) -> list[Any]:
+        """The step as the attach protocol sends it (a row of a `steps` record): StepSample's fields in
+        their order, the memory, the host reading and each rank as their own fields' values. A step
+        costs the server a few attribute reads, not a dict of ~40 keys, and the client no key lookups."""
+        f = self.fields
+        host = f[12]
+        return [
+            *f[:10],
+            _memory_values(f[10]),
+            f[11],
+            None if host is None else _host_values(host),
+            f[13],
+            f[14],
+            [_rank_values(rank) for rank in f[15]],
+        ]
+
+    @classmethod
+    def from_row(cls, row: list[Any]) -> StepRecord:
+        """A row back into a step, its sample made (the row's shape and types checked already:
+        client.checked())."""
+        host = row[12]
+        fields = (
+            *row[:10],
+            Memory(*row[10]),
+            row[11],
+            None if host is None else HostReading(*host),
+            row[13],
+            row[14],
+            tuple(RankMemory(*rank) for rank in row[15]),
+        )
+        return cls(fields, StepSample(*fields))
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,15 +399,6 @@ def check_event(name: str, details: Mapping[str, Any]) -> None:
         raise ValueError(f"event {name!r} without {', '.join(missing)}")
 
 
-_STEP_FIELDS = (
-    "t",
-    "step",
-    "epoch",
-    "loss",
-    "batch_size",
-    "micro_batch",
-    "accumulation",
-    "amp",
-    "checkpointing",
-    "samples_per_s",
-)
+_memory_values = attrgetter(*_names(Memory))
+_host_values = attrgetter(*_names(HostReading))
+_rank_values = attrgetter(*_names(RankMemory))

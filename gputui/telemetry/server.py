@@ -318,7 +318,7 @@ class TelemetryServer:
             self._fold()
             records = [clean(hello), clean({"kind": "history", "series": self._series.to_json()}), *self._events]
             if self._last_step is not None:
-                records.append(clean(self._last_step.sample().to_json()))
+                records.append(clean({"kind": "steps", "rows": [self._last_step.row()]}))
             if self._gpus is not None:
                 records.append(self._gpus)
             if self._printed or self._current:
@@ -395,22 +395,43 @@ class TelemetryServer:
         peer.outbox += encode({"kind": "ack", "id": ident, "request_id": control.id})
 
     def _broadcast_queue(self) -> None:
+        """What the run published since the last turn, to every client: the steps as rows of one
+        record (one encode a turn, not one a step), each other record after the steps before it."""
+        rows: list[list[Any]] = []
         while self._queue:
             kind, item = self._queue.popleft()
-            record = self._record(kind, item)
-            if record is None:
+            if kind == "step":
+                self._step(item, rows)
                 continue
-            try:
-                line = encode(record)
-            except (TypeError, ValueError):  # a step's NaN (another rank's loss) or a value JSON has no form for
-                line = encode(clean(record))
-            for peer in list(self._peers.values()):
-                peer.outbox += line
+            if rows:
+                self._send({"kind": "steps", "rows": rows})
+                rows = []
+            self._send(self._record(kind, item))
+        if rows:
+            self._send({"kind": "steps", "rows": rows})
 
-    def _record(self, kind: str, item: Any) -> dict[str, Any] | None:
-        """Fold a record into the server's view of the run; returns it as sent (cleaned), or None for a step
-        nobody is connected to see (serializing a step costs this thread ~100 us, holding the GIL
-        the training thread needs: benchmarks/tool_costs.py)."""
+    def _send(self, record: dict[str, Any]) -> None:
+        try:
+            line = encode(record)
+        except (TypeError, ValueError):  # a step's NaN (another rank's loss) or a value JSON has no form for
+            line = encode(clean(record))  # cleaned only if it fails to encode: a walk a step
+        for peer in list(self._peers.values()):
+            peer.outbox += line
+
+    def _step(self, record: StepRecord, rows: list[list[Any]]) -> None:
+        """Fold a step into the server's view of the run; its row into `rows` if a client is connected
+        to see it (no client, no work but an append: the training thread needs the GIL)."""
+        self._welcome = None
+        self._last_step = record
+        if self._listener is not None:  # a later client's welcome needs the run's history
+            self._unfolded.append(record)
+            if len(self._unfolded) >= FOLD_AT:
+                self._fold()
+        if self._peers:
+            rows.append(record.row())
+
+    def _record(self, kind: str, item: Any) -> dict[str, Any]:
+        """Fold a record other than a step into the server's view of the run; returns it as sent (cleaned)."""
         self._welcome = None
         if kind in ("start", "end"):  # requests left unanswered (a stop has no answer) are over with the run
             self._answered(set(self._waiting))
@@ -420,14 +441,6 @@ class TelemetryServer:
             self._series.clear()
             self._unfolded.clear()
             return clean({"kind": "start", "runs": self.hub.runs, "info": self._info})
-        if kind == "step":
-            self._last_step = item
-            if self._listener is not None:  # a later client's welcome needs the run's history
-                self._unfolded.append(item)
-                if len(self._unfolded) >= FOLD_AT:
-                    self._fold()
-            # Cleaned only if it fails to encode: a walk a step.
-            return item.sample().to_json() if self._peers else None
         if kind == "event":
             record = clean(item.to_json())
             self._events.append(record)

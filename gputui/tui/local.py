@@ -189,6 +189,11 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
         if hub.stop_signal:  # signalled while the screen was being made
             screen.signalled(0, hub.stop_signal)
         state.thread.start()
+        if state.forced and not state.raised:  # twice, while the screen was being made: at once, as then
+            state.raised = True
+            stop = KeyboardInterrupt if state.forced == 128 + signal.SIGINT else _Terminated
+            interrupts.interrupt(state.thread, stop)  # raised before the script's first line
+            screen.leave(signal.SIGTERM)
         left = screen.wait()
         first = state.ended is None  # the screen left while the script runs: a quit at once, or it failed
         if first and left == 128 + signal.SIGHUP:  # its SIGHUP to us may still be on its way

@@ -63,12 +63,13 @@ def step_of(env, pid):
 def wait_steps(env, pid, n, timeout=60):
     """Until the job has trained `n` steps: its records, read as they come from its socket."""
     with Connection(socket_of(env, pid), timeout=timeout) as conn:
-        step = (conn.welcome().latest or {}).get("step") or 0
+        latest = conn.welcome().latest
+        step = 0 if latest is None else latest.step
         while step < n:
             record = conn.read()
             assert record is not None, "the job ended first"
-            if record["kind"] == "step":
-                step = record["step"]
+            if record["kind"] == "steps":
+                step = record["rows"][-1][1]
 
 
 @pytest.fixture
@@ -91,8 +92,13 @@ def job(env, script, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    socket_of(env, proc.pid)
-    wait_steps(env, proc.pid, 2)
+    try:
+        socket_of(env, proc.pid)
+        wait_steps(env, proc.pid, 2)
+    except BaseException:  # the job must not train on after a failed setup (it has no end of its own)
+        proc.kill()
+        proc.communicate(timeout=30)
+        raise
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -134,8 +140,8 @@ def test_hostile_clients_cannot_stop_or_slow_the_job(env, job):
     clients = []
     for payload in (
         b"garbage\n" * 50,
-        b'{"v": 1, "kind": "control", "id": 1, "action": "stop"}\n',
-        b'{"v": 1, "kind": "hel',
+        b'{"v": 2, "kind": "control", "id": 1, "action": "stop"}\n',
+        b'{"v": 2, "kind": "hel',
         b"A" * 20_000,
         b"\xff" * 100 + b"\n",
         b"[" * 2000 + b"\n",

@@ -3,6 +3,7 @@ servers that misbehave: each ends in one line on stderr and exit 1, never a trac
 nothing from the socket reaches the terminal with its control characters."""
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import socket
@@ -13,9 +14,12 @@ import time
 
 import pytest
 
+from gputui.telemetry.protocol import VERSION
+from gputui.telemetry.sample import Memory, StepRecord, StepSample
+
 NOBODY = 65534
 HELLO = {
-    "v": 1,
+    "v": VERSION,
     "kind": "hello",
     "pid": 1,
     "argv": ["fake.py"],
@@ -25,28 +29,27 @@ HELLO = {
     "summary": None,
     "controllable": True,
 }
-STEP = {
-    "v": 1,
-    "kind": "step",
-    "t": 1.0,
-    "step": 3,
-    "epoch": 0,
-    "loss": 0.5,
-    "batch_size": 8,
-    "micro_batch": 8,
-    "accumulation": 1,
-    "amp": "off",
-    "checkpointing": False,
-    "samples_per_s": None,
-    "memory": {"device": "cpu", "allocated": 1},
-}
+
+
+def steps(memory=None, **fields):
+    """A steps record of one row (StepSample's fields in order), the `fields` named replaced."""
+    row = StepRecord.of(StepSample(1.0, 3, 0, 0.5, 8, 8, 1, "off", False, None, Memory("cpu", allocated=1))).row()
+    names = [f.name for f in dataclasses.fields(StepSample)]
+    for name, value in fields.items():
+        row[names.index(name)] = value
+    if memory is not None:
+        row[names.index("memory")] = memory
+    return {"v": VERSION, "kind": "steps", "rows": [row]}
+
+
+STEP = steps()
 
 
 def line(record):
     return json.dumps(record).encode() + b"\n"
 
 
-WELCOME = line(HELLO) + line({"v": 1, "kind": "live"})
+WELCOME = line(HELLO) + line({"v": VERSION, "kind": "live"})
 
 
 class FakeServer:
@@ -225,7 +228,7 @@ ESCAPES = "\x1b[2J\x1b]0;pwned\x07\x9b31m"
 
 
 def wrong(**fields):
-    return line({**HELLO, **fields}) + line({"v": 1, "kind": "live"})
+    return line({**HELLO, **fields}) + line({"v": VERSION, "kind": "live"})
 
 
 MISBEHAVING = {
@@ -235,7 +238,7 @@ MISBEHAVING = {
     "garbage": b"\x00\xff garbage\n" * 3,
     "nested": b"[" * 5000 + b"\n",
     "not an object": b"[1, 2, 3]\n",
-    "step is a string": line(HELLO) + line({**STEP, "step": "x"}) + line({"v": 1, "kind": "live"}),
+    "step is a string": line(HELLO) + line(steps(step="x")) + line({"v": VERSION, "kind": "live"}),
     "argv is a dict": wrong(argv={"a": 1}, info={"argv": {"x": [1]}}),
     "info is a list": wrong(info=[1, 2]),
     "argv holds a dict": wrong(info={"argv": ["x" * 100_000, {"k": "v"}]}),
@@ -244,17 +247,17 @@ MISBEHAVING = {
     "summary error is a list": wrong(summary={"error": ["boom"]}),
     "server_started is text": wrong(server_started="yesterday"),
     "history of strings": line(HELLO)
-    + line({"v": 1, "kind": "history", "series": {"loss": {"steps": ["a"], "values": [], "stride": 1}}}),
+    + line({"v": VERSION, "kind": "history", "series": {"loss": {"steps": ["a"], "values": [], "stride": 1}}}),
     # Numbers JSON allows and Python cannot format or convert: int(inf), float(10**400)
     "server_started is Infinity": wrong(server_started=float("inf")),
     "server_started is NaN": wrong(server_started=float("nan")),
     "event time of 400 digits": line(HELLO)
-    + line({"v": 1, "kind": "event", "t": 10**400, "step": 1, "name": "paused"})
-    + line({"v": 1, "kind": "live"}),
+    + line({"v": VERSION, "kind": "event", "t": 10**400, "step": 1, "name": "paused"})
+    + line({"v": VERSION, "kind": "live"}),
     "freed bytes of 400 digits": line(HELLO)
     + line(
         {
-            "v": 1,
+            "v": VERSION,
             "kind": "event",
             "t": 1.0,
             "step": 1,
@@ -264,10 +267,10 @@ MISBEHAVING = {
             "reserved_after": 0,
         }
     )
-    + line({"v": 1, "kind": "live"}),
+    + line({"v": VERSION, "kind": "live"}),
     "allocated of 400 digits": line(HELLO)
-    + line({**STEP, "memory": {"device": "cpu", "allocated": 10**400}})
-    + line({"v": 1, "kind": "live"}),
+    + line(steps(memory=["cpu", 10**400, *[None] * 15]))
+    + line({"v": VERSION, "kind": "live"}),
 }
 
 
@@ -324,11 +327,11 @@ def test_escape_sequences_from_a_job_never_reach_the_terminal(env, folder, fake)
         "argv": [f"evil{ESCAPES}.py"],
         "info": {"device": f"cpu{ESCAPES}", "argv": [f"x{ESCAPES}.py"], f"key{ESCAPES}": ESCAPES},
     }
-    step = {**STEP, "amp": ESCAPES, f"k{ESCAPES}": [ESCAPES, {ESCAPES: ESCAPES}]}
-    refusal = {"v": 1, "kind": "error", "id": 1, "reason": f"no{ESCAPES}"}
+    step = {**steps(amp=ESCAPES, loss_source=ESCAPES), f"k{ESCAPES}": [ESCAPES, {ESCAPES: ESCAPES}]}
+    refusal = {"v": VERSION, "kind": "error", "id": 1, "reason": f"no{ESCAPES}"}
     fake(
         os.path.join(folder, f"{os.getpid()}.sock"),
-        line(hostile) + line(step) + line({"v": 1, "kind": "live"}) + line(refusal),
+        line(hostile) + line(step) + line({"v": VERSION, "kind": "live"}) + line(refusal),
     )
     for args in (["jobs"], ["jobs", "--json"], ["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"]):
         done = gputui(env, *args)
@@ -375,7 +378,7 @@ def test_a_full_backlog_is_waited_for_not_failed_at_once(env, folder):
             except OSError:
                 return
             with conn:
-                conn.sendall(line(HELLO) + line(STEP) + line({"v": 1, "kind": "live"}))
+                conn.sendall(line(HELLO) + line(STEP) + line({"v": VERSION, "kind": "live"}))
 
     thread = threading.Thread(target=accept_later, daemon=True)
     thread.start()

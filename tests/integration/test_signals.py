@@ -454,3 +454,34 @@ def test_a_screen_whose_run_died_leaves(tmp_path, tui):
     gputui.kill()
     screen.wait(10)  # it does not stay behind on a terminal whose keys go to the shell
     assert_terminal_given_back(run)
+
+
+WRAP = """
+import os, signal, sys
+from gputui.cli import main
+from gputui.tui import local
+
+made = local._Screen.__init__
+
+
+def stopped_twice_first(self, *args, **kwargs):  # two SIGTERMs land while the screen is being made
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    made(self, *args, **kwargs)
+
+
+local._Screen.__init__ = stopped_twice_first
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_two_stops_while_the_screen_is_made_end_the_run_before_the_script_starts(tmp_path, tui):
+    wrap = tmp_path / "wrap.py"
+    wrap.write_text(WRAP)
+    run = tui(
+        write_script(tmp_path, before="open(sys.argv[1] + '.started', 'w').close()"),
+        shell=f'f() {{ shift 3; exec {sys.executable} {wrap} "$@"; }}; f',  # gputui run's arguments, wrapped
+    )
+    assert run.exit_code() == 128 + signal.SIGTERM
+    assert not os.path.exists(f"{run.out}.started"), "the script never started: a second stop is at once"
+    assert_terminal_given_back(run)

@@ -14,7 +14,7 @@ from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.paths import UnsafeDirectory, socket_dir
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event, Memory, StepRecord, StepSample
 from gputui.telemetry.server import TelemetryServer, serve
 
 
@@ -38,6 +38,11 @@ def sample(step, loss=1.0):
         samples_per_s=None,
         memory=Memory("cpu", allocated=100 + step, peak=200),
     )
+
+
+def steps_in(record):
+    """The step numbers a record carries (a steps record's rows), [] for any other."""
+    return [row[1] for row in record["rows"]] if record["kind"] == "steps" else []
 
 
 def until(condition, timeout=5.0, what=lambda: None):
@@ -76,11 +81,11 @@ def test_a_client_gets_who_the_run_so_far_then_live_records(served):
         welcome = conn.welcome()
         assert welcome.hello["pid"] == os.getpid() and welcome.info.argv == ("train.py",)
         assert welcome.history["series"]["loss"]["steps"] == [1, 2, 3, 4, 5]
-        assert welcome.latest["step"] == 5 and [e["name"] for e in welcome.events] == ["paused"]
+        assert welcome.latest.step == 5 and [e["name"] for e in welcome.events] == ["paused"]
         hub.publish(sample(6))
         hub.end(RunSummary(steps=6))
         kinds = [conn.read()["kind"] for _ in range(2)]
-        assert kinds == ["step", "end"]
+        assert kinds == ["steps", "end"]
 
 
 def test_the_welcome_is_built_once_per_change_of_the_run_not_per_connection(served, monkeypatch):
@@ -93,12 +98,12 @@ def test_the_welcome_is_built_once_per_change_of_the_run_not_per_connection(serv
         hub.publish(sample(step))
     until(lambda: not server._queue and server._last_step is not None and server._last_step.step == 3)
     with Connection(server.path) as first, Connection(server.path) as second:
-        assert first.welcome().latest["step"] == second.welcome().latest["step"] == 3
+        assert first.welcome().latest.step == second.welcome().latest.step == 3
     assert len(built) == 1
     hub.publish(sample(4))
     until(lambda: server._last_step.step == 4)
     with Connection(server.path) as third:
-        assert third.welcome().latest["step"] == 4
+        assert third.welcome().latest.step == 4
     assert len(built) == 2
 
 
@@ -109,7 +114,7 @@ def test_watch_only_cannot_steer_but_control_can(served):
         ident = watcher.request("halve_batch")
         reply = watcher.read()
         assert reply == {
-            "v": 1,
+            "v": 2,
             "kind": "error",
             "id": ident,
             "reason": "watch-only connection: attach with --control to steer",
@@ -134,10 +139,10 @@ def test_malformed_and_oversized_messages(served):
         conn.welcome()
         conn.sock.sendall(b"{not json}\n")
         assert conn.read()["reason"].startswith("not JSON")
-        conn.sock.sendall(b'{"v": 1, "kind": "hello", "control": true}')  # half-written: no newline yet
+        conn.sock.sendall(b'{"v": 2, "kind": "hello", "control": true}')  # half-written: no newline yet
         time.sleep(0.1)
         conn.sock.sendall(b"\n")
-        assert conn.read() == {"v": 1, "kind": "ack", "hello": True, "control": True}
+        assert conn.read() == {"v": 2, "kind": "ack", "hello": True, "control": True}
         conn.sock.sendall(b"x" * 10_000)  # no newline, past the limit: dropped
         assert "line longer than" in conn.read()["reason"]
         assert conn.read() is None
@@ -146,7 +151,7 @@ def test_malformed_and_oversized_messages(served):
 
 def test_a_client_that_stops_reading_is_dropped_and_the_publisher_never_waits(served, monkeypatch):
     hub, server = served
-    monkeypatch.setattr(server_module, "MAX_PENDING", 256 * 1024)
+    monkeypatch.setattr(server_module, "MAX_PENDING", 64 * 1024)  # 3000 steps: ~400 KiB, ~200 in the kernel
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(server.path)
@@ -157,8 +162,7 @@ def test_a_client_that_stops_reading_is_dropped_and_the_publisher_never_waits(se
 
         def read_all():
             while len(steps) < 3000 and (record := good.read()) is not None:
-                if record["kind"] == "step":
-                    steps.append(record["step"])
+                steps.extend(steps_in(record))
 
         reader = threading.Thread(target=read_all)
         reader.start()
@@ -205,7 +209,7 @@ def test_deeply_nested_json_is_refused_like_any_malformed_line(served, capfd):
         conn.sock.sendall(b"[" * 2000 + b"\n")  # under the 4 KiB line limit, past the JSON parser's recursion
         assert conn.read()["reason"] == "not JSON: nested too deeply"
         conn.send({"kind": "hello", "control": True})
-        assert conn.read() == {"v": 1, "kind": "ack", "hello": True, "control": True}, "and the server goes on"
+        assert conn.read() == {"v": 2, "kind": "ack", "hello": True, "control": True}, "and the server goes on"
     assert "telemetry server error" not in capfd.readouterr().err
 
 
@@ -256,7 +260,7 @@ def test_all_connections_together_have_a_bound_and_a_run_end_clears_it(served, m
 def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, monkeypatch):
     hub, server = served
     monkeypatch.setattr(server_module, "MAX_BUFFERED", 2 * 2**20)
-    line = len(protocol.encode(protocol.clean(sample(1).to_json())))
+    line = len(protocol.encode({"kind": "steps", "rows": [StepRecord.of(sample(1)).row()]}))
 
     def stuck():
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,7 +281,7 @@ def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, 
     with Connection(server.path) as good:
         good.welcome()
         reader = threading.Thread(
-            target=lambda: seen.extend(r["step"] for r in iter(good.read, None) if r["kind"] == "step"), daemon=True
+            target=lambda: seen.extend(step for r in iter(good.read, None) for step in steps_in(r)), daemon=True
         )
         reader.start()
         early = stuck()
@@ -311,12 +315,12 @@ def test_the_welcome_is_built_once_per_change_not_per_connection(served, monkeyp
     until(lambda: server._last_step is not None and server._last_step.step == 1)  # folded in before any welcome
     for _ in range(20):
         with Connection(server.path) as conn:
-            assert conn.welcome().latest["step"] == 1
+            assert conn.welcome().latest.step == 1
     assert len(built) == 1
     hub.publish(sample(2))
     until(lambda: server._last_step.step == 2)
     with Connection(server.path) as conn:
-        assert conn.welcome().latest["step"] == 2, "a change rebuilds it"
+        assert conn.welcome().latest.step == 2, "a change rebuilds it"
     assert len(built) == 2
 
 
@@ -327,7 +331,7 @@ def test_one_client_too_many_is_told_and_closed(served, monkeypatch):
         a.welcome()
         b.welcome()
         with Connection(server.path) as c:
-            assert c.read() == {"v": 1, "kind": "error", "reason": "the job serves 2 clients already"}
+            assert c.read() == {"v": 2, "kind": "error", "reason": "the job serves 2 clients already"}
             assert c.read() is None
 
 
@@ -336,19 +340,17 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
     path = str(runtime_dir / "fake.sock")
     listener.bind(path)
     listener.listen(4)
-    hello = b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
-    bad = (
-        b'{"v": 1, "kind": "step", "t": 1.0, "step": "x", "epoch": 0, "loss": 1.0, "batch_size": 8, '
-        b'"micro_batch": 8, "accumulation": 1, "amp": "off", "checkpointing": false, "samples_per_s": null, '
-        b'"memory": {"device": "cpu"}}\n'
-    )
+    hello = b'{"v": 2, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
+    row = StepRecord.of(sample(1)).row()
+    row[1] = "x"
+    bad = protocol.encode({"kind": "steps", "rows": [row]})
 
     checked = threading.Event()
 
     def serve():
         listener.settimeout(10)
         conn, _ = listener.accept()
-        conn.sendall(hello + b'{"v": 1, "kind": "live"}\n' + bad)
+        conn.sendall(hello + b'{"v": 2, "kind": "live"}\n' + bad)
         checked.wait(5)  # the connection stays open while the test looks
         conn.close()
 
