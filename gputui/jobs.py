@@ -27,7 +27,7 @@ from .telemetry.paths import (
     socket_dir,
     socket_path,
 )
-from .telemetry.protocol import ProtocolError
+from .telemetry.protocol import ProtocolError, VersionMismatch
 from .telemetry.run import RunSummary
 from .telemetry.sample import Event
 from .units import format_duration
@@ -43,7 +43,7 @@ class JobError(Exception):
 def _failed(job: Job, exc: Exception) -> JobError:
     """What went wrong talking to `job`, as one line."""
     reason = " ".join(str(exc).split()) or type(exc).__name__
-    if isinstance(exc, ProtocolError):
+    if isinstance(exc, ProtocolError) and not isinstance(exc, VersionMismatch):
         reason = f"not a gputui job? {reason}"
     return JobError(f"job {job.pid} ({job.path}): {reason}")
 

@@ -8,6 +8,7 @@ Pure Python so the CLI can validate `--memory-budget` before torch is imported.
 from __future__ import annotations
 
 import re
+import time
 
 _UNITS = {
     "": 1,
@@ -87,6 +88,15 @@ def format_duration(seconds: float | None) -> str:
     if days:
         return f"{days}d{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_clock(t: float) -> str:
+    """A unix time as the local clock shows it (12:03:09); --:--:-- for one no clock can show (a job's
+    t of 1e308)."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "--:--:--"
 
 
 def format_count(n: float) -> str:

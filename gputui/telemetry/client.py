@@ -26,7 +26,7 @@ from .describe import describe
 from .hub import Hub
 from .output import left_out
 from .paths import ForeignPeer, check_peer, pid_alive
-from .protocol import MAX_SERVER_LINE, ProtocolError, encode, parse_server
+from .protocol import MAX_SERVER_LINE, ProtocolError, VersionMismatch, encode, parse_server
 from .run import NUMBER, RunInfo, RunSummary
 from .sample import Event, GpuReading, HostReading, Memory, RankMemory, StepRecord, StepSample
 
@@ -232,7 +232,7 @@ def _values(row: Any, types: tuple[frozenset[object], ...], cls: type, index: in
     if type(row) is not list or len(row) != len(types):
         raise ProtocolError(f"{where} is not a list of {len(types)} values")
     name, value = next((f.name, v) for f, v, t in zip(fields(cls), row, types, strict=True) if type(v) not in t)
-    raise ProtocolError(f"{where}: {name!r} is a {type(value).__name__}")
+    raise ProtocolError(f"{where}: {name!r} is {_a(type(value).__name__)}")
 
 
 def _rows(rows: Any) -> None:
@@ -247,19 +247,23 @@ def _rows(rows: Any) -> None:
             _values(rank, _RANK_TYPES, RankMemory, index, "'s rank")
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def _fields(record: Any, types: dict[str, Any], where: str) -> None:
     if not isinstance(record, dict):
-        raise ProtocolError(f"{where} is a {type(record).__name__}, not an object")
+        raise ProtocolError(f"{where} is {_a(type(record).__name__)}, not an object")
     for name, accepted in types.items():
         value = record.get(name)
         if value is not None and (not isinstance(value, accepted) or isinstance(value, bool) and accepted is not bool):
-            raise ProtocolError(f"{where}: {name!r} is a {type(value).__name__}")
+            raise ProtocolError(f"{where}: {name!r} is {_a(type(value).__name__)}")
 
 
 def checked(record: dict[str, Any]) -> dict[str, Any]:
     """`record` if the fields the clients read have their types; ProtocolError saying which does not."""
     kind = record["kind"]
-    where = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} record"
+    where = f"{_a(kind)} record"
     _fields(record, _KINDS.get(kind, {}), where)
     if kind == "steps":
         _rows(record.get("rows"))
@@ -384,6 +388,9 @@ class Mirror:
                 self._receive(conn)
             except OSError:
                 pass
+            except VersionMismatch as exc:  # the same on every connection: said, not retried
+                self.ended, self.status = True, f"cannot read the job: {exc}"
+                return
             except (ProtocolError, ValueError, KeyError, TypeError) as exc:  # not what a gputui job sends
                 status = f"the job sent a malformed record ({type(exc).__name__}: {str(exc)[:120]}): reconnecting…"
             finally:

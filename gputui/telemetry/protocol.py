@@ -43,6 +43,11 @@ class ProtocolError(ValueError):
     """A line that is not a valid message; the text says what is wrong, for the peer."""
 
 
+class VersionMismatch(ProtocolError):
+    """A gputui of another protocol version at the other end (one upgraded while a job ran): trying
+    again will not help."""
+
+
 def encode(record: dict[str, Any]) -> bytes:
     """One line; ValueError for a NaN or an infinity (clean() makes them null), TypeError for what JSON
     has no form for. The records' own "v" (their metrics-file version) gives way to the protocol's."""
@@ -62,8 +67,14 @@ def _object(line: bytes, limit: int) -> dict[str, Any]:
         raise ProtocolError("not JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError("a message must be a JSON object")
-    if data.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {repr(data.get('v'))[:40]} (this side speaks {VERSION})")
+    theirs = data.get("v")
+    if theirs != VERSION:
+        if isinstance(theirs, int) and not isinstance(theirs, bool):
+            raise VersionMismatch(
+                f"unsupported protocol version {theirs} (this side speaks {VERSION}): "
+                "use the gputui that started the job, or the same version"
+            )
+        raise ProtocolError(f"unsupported protocol version {repr(theirs)[:40]} (this side speaks {VERSION})")
     if not isinstance(data.get("kind"), str):
         raise ProtocolError("a message needs a string 'kind'")
     return data
@@ -109,10 +120,15 @@ def parse_server(line: bytes) -> dict[str, Any]:
     A line of printable ASCII without a backslash (JSON escapes every control character, and takes
     none raw in a string) has nothing to strip; with no risky number and fewer brackets than the
     depth limit, it is returned as parsed: the steps, many a second, cost no walk. A steps record
-    has a bracket or four a step, and is exempt from that count: its shape is checked whole
-    (client.checked(): rows of values, three levels at most), and nothing reads it before."""
+    has a bracket or four a step, and is exempt from that count when it holds its rows and nothing
+    else: their shape is checked whole (client.checked(): rows of values, three levels at most),
+    and nothing reads them before."""
     data = _object(line, MAX_SERVER_LINE)
-    return data if _plain(line, data["kind"] != "steps") else _printable(data, 0, None)
+    rows_only = data["kind"] == "steps" and data.keys() <= _STEPS_KEYS
+    return data if _plain(line, not rows_only) else _printable(data, 0, None)
+
+
+_STEPS_KEYS = {"v", "kind", "rows"}
 
 
 def _plain(line: bytes, count_brackets: bool) -> bool:

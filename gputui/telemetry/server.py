@@ -155,7 +155,7 @@ class TelemetryServer:
         self.on_record(StepRecord.of(sample))
 
     def on_record(self, record: StepRecord) -> None:
-        self._queue.append(("step", record))  # its sample is made on this server's thread (_record)
+        self._queue.append(("step", record))  # a client gets its row; its sample is made only for a welcome (_fold)
 
     def on_event(self, event: Event) -> None:
         self._queue.append(("event", event))

@@ -170,6 +170,8 @@ class Chart:
         high = max(line.high for line in self._lines) if high is None else high
         if high <= low:
             high = low + (abs(low) or 1.0)
+            if math.isinf(high):  # a flat line near the largest float
+                low, high = low / 2, low
         start, self._redraw = self._redraw, plot_width
         before_rows = self.rows
         if (height, low, high) != self._scale:  # every dot moves
@@ -187,10 +189,11 @@ class Chart:
             c[start:] = [0] * (plot_width - start)
             s[start:] = [None] * (plot_width - start)
         dots_y = height * 4
+        top, span = high / 2, high / 2 - low / 2  # in halves (exact): high - low overflows for 1e308 and -1e308
         for line, line_style in zip(self._lines, self._styles, strict=True):
             dots = line.placed
             for v in line.values[len(dots) :]:  # the columns not yet placed at this scale
-                dots.append(round((high - min(max(v, low), high)) / (high - low) * (dots_y - 1)))
+                dots.append(round((top - min(max(v, low), high) / 2) / span * (dots_y - 1)))
             for k in range(bisect_left(line.xs, 2 * start), len(dots)):
                 x, dot = line.xs[k], dots[k]
                 prev = dots[k - 1] if k else dot

@@ -32,6 +32,9 @@ KINDS = {
 }
 """The timeline's colour of an event; any other is "applied" if it answers a request, else "info"."""
 
+MAX_ETA = 100 * 365 * 86400.0
+"""Seconds past which the time left is not shown (not a forecast: a rate nearly zero)."""
+
 
 @dataclass
 class Entry:
@@ -313,7 +316,8 @@ class RunView:
         total, s = self.total_steps, self.latest
         if not total or s is None or not s.samples_per_s or not s.batch_size or not self.training:
             return None
-        return (total - s.step) * s.batch_size / s.samples_per_s
+        eta = (total - s.step) * s.batch_size / s.samples_per_s
+        return eta if 0 <= eta < MAX_ETA else None  # a job's rate of 1e-300 samples/s is no duration
 
     def why_not(self, action: str, watch_only: str | None) -> str | None:
         """None if the key can act now, else the one-line reason shown when it is pressed."""
@@ -371,5 +375,5 @@ class RunView:
         return next((o for o in self.plan_options if o.get("key") == key and (key != "a" or o.get("amp") == amp)), None)
 
     def next_amp(self) -> str:
-        current = self.amp or "off"
-        return AMP_MODES[(AMP_MODES.index(current) + 1) % len(AMP_MODES)]
+        current = self.amp or "off"  # a mode this gputui does not know (a newer job's) steps to the first
+        return AMP_MODES[(AMP_MODES.index(current) + 1) % len(AMP_MODES) if current in AMP_MODES else 0]

@@ -5,7 +5,6 @@ LinePanel) and refresh only the lines that changed: a frame costs the same howev
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from itertools import groupby
@@ -26,7 +25,7 @@ from textual.widgets._footer import FooterKey  # the footer's key widget: textua
 from ..telemetry.describe import number
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import GpuDevice, HostReading, Memory
-from ..units import format_bytes, format_bytes_short, format_duration, format_figure
+from ..units import format_bytes, format_bytes_short, format_clock, format_duration, format_figure
 from .chart import Chart, Reader, Row, Series
 from .keys import BY_ACTION, KEYS, shown
 from .view import Ranks, RunView, share
@@ -328,12 +327,13 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
     count = max(4, width)
     cells: list[tuple[str, str]] = []
     for size, style in parts:
-        n = max(0, min(round(size / capacity * count), count - len(cells)))
+        n = max(0, min(round(min(size / capacity, 1.0) * count), count - len(cells)))
         cells += [("█", style)] * n
     cells += [("░", FREE)] * (count - len(cells))
     if m.peak:
-        share = m.peak / capacity
-        cells[min(count - 1, round(share * count))] = ("┃", "bold red" if share >= WARN_AT else "bold")
+        share = m.peak / capacity  # clamped where it is placed: a job's 1e308 over 0.5 is inf
+        at = min(count - 1, round(max(0.0, min(share, 1.0)) * count))
+        cells[at] = ("┃", "bold red" if share >= WARN_AT else "bold")
     text = Text(no_wrap=True)
     for (char, style), run in groupby(cells):
         text.append(char * len(list(run)), style=style)
@@ -475,7 +475,7 @@ def rank_lines(ranks: Ranks, width: int) -> list[Text]:
         worst = r.rank == ranks.worst
         part = share(r)
         hot = "bold red" if part is not None and part >= WARN_AT else "bold yellow"
-        filled = 0 if r.peak is None else min(bar, round((part if part is not None else r.peak / scale) * bar))
+        filled = 0 if r.peak is None else round(max(0.0, min(part if part is not None else r.peak / scale, 1.0)) * bar)
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(label.ljust(columns[0]), style="bold" if worst or r.rank == ranks.this else "")
         line.append(GAP).append("█" * filled, style=hot if worst else ALLOCATED).append(
@@ -690,7 +690,7 @@ class Timeline(RunPanel):
         lines = []
         for entry in list(v.timeline)[:height]:
             line = Text(no_wrap=True, overflow="ellipsis")
-            line.append(time.strftime("%H:%M:%S ", time.localtime(entry.t)), style="dim")
+            line.append(format_clock(entry.t) + " ", style="dim")
             line.append(f"{entry.step:>6} ", style="dim")
             line.append(entry.text, style=self.STYLES.get(entry.kind, ""))
             lines.append(line)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from gputui.telemetry.controls import SNAPSHOT_NEEDS_CUDA, SUMMARY_NEEDS_CUDA
 from gputui.telemetry.run import RunInfo
@@ -21,6 +23,17 @@ from gputui.tui.sources import Update
 
 GiB, MiB = 2**30, 2**20
 T0 = 1_795_000_000.0  # a fixed wall-clock start: timeline times are stable (with TZ=UTC)
+
+
+def on_refresh(app: Any, kind: type, note: Callable[[Any, tuple[Any, ...]], None]) -> None:
+    """Call `note(panel, regions)` at every refresh() of the main screen's panels of `kind`, then refresh."""
+    for panel in app.main.query(kind):
+
+        def counted(*regions: Any, _panel: Any = panel, _refresh: Any = panel.refresh, **kwargs: Any) -> Any:
+            note(_panel, regions)
+            return _refresh(*regions, **kwargs)
+
+        panel.refresh = counted
 
 
 class FrozenClock:

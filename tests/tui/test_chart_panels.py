@@ -4,7 +4,7 @@ from earlier frames are the lines the panel would draw anew."""
 import io
 from dataclasses import replace
 
-from fakes import GPUS, FrozenClock, cuda_run, cuda_sample
+from fakes import GPUS, FrozenClock, cuda_run, cuda_sample, on_refresh
 from rich.console import Console
 
 from gputui.tui.app import GputuiApp
@@ -22,15 +22,12 @@ def drawn(app) -> list[str]:
 def refreshed_lines(app) -> dict[str, list[int]]:
     """Each line panel's count of lines asked to repaint, per refresh (a whole refresh: its height)."""
     counts: dict[str, list[int]] = {}
-    for panel in app.main.query(LinePanel):
-        refresh = panel.refresh
 
-        def counted(*regions, _panel=panel, _refresh=refresh, **kwargs):
-            lines = sum(r.height for r in regions) if regions else _panel.content_size.height
-            counts.setdefault(_panel.id, []).append(lines)
-            return _refresh(*regions, **kwargs)
+    def note(panel, regions):
+        lines = sum(r.height for r in regions) if regions else panel.content_size.height
+        counts.setdefault(panel.id, []).append(lines)
 
-        panel.refresh = counted
+    on_refresh(app, LinePanel, note)
     return counts
 
 

@@ -3,7 +3,7 @@
 from collections import Counter
 from dataclasses import replace
 
-from fakes import GPUS, FrozenClock, cuda_run, cuda_sample
+from fakes import GPUS, FrozenClock, cuda_run, cuda_sample, on_refresh
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
@@ -13,14 +13,7 @@ from gputui.tui.widgets import Panel
 
 def count_refreshes(app: GputuiApp) -> Counter:
     counts: Counter = Counter()
-    for panel in app.main.query(Panel):
-        refresh = panel.refresh
-
-        def counted(*args, _id=panel.id, _refresh=refresh, **kwargs):
-            counts[_id] += 1
-            return _refresh(*args, **kwargs)
-
-        panel.refresh = counted
+    on_refresh(app, Panel, lambda panel, regions: counts.update([panel.id]))
     return counts
 
 

@@ -366,3 +366,37 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
         mirror.stop()
         listener.close()
         thread.join(10)
+
+
+def test_a_mirror_of_a_job_of_another_protocol_version_says_so_once_and_does_not_retry(runtime_dir):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(runtime_dir / "old.sock")
+    listener.bind(path)
+    listener.listen(4)
+    accepted = []
+
+    def serve():  # a job of the last version, still running after an upgrade
+        listener.settimeout(5)
+        try:
+            while True:
+                conn, _ = listener.accept()
+                accepted.append(conn)
+                conn.sendall(b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["old.py"], "runs": 1}\n')
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    mirror = Mirror(path, None, retry=0.05).start()
+    try:
+        assert mirror.done.wait(5), mirror.status
+        assert mirror.ended and "protocol version 1 (this side speaks" in mirror.status
+        assert "use the gputui that started the job" in mirror.status
+        time.sleep(0.3)  # six retries' worth: none comes
+        assert len(accepted) == 1
+    finally:
+        mirror.stop()
+        listener.close()
+        thread.join(10)
+        for conn in accepted:
+            conn.close()

@@ -82,7 +82,7 @@ def wrong(where: int | tuple[int, int], value) -> bytes:
         (wrong(1, "x"), "row 1: 'step' is a str"),
         (wrong(1, None), "row 1: 'step' is a NoneType"),
         (wrong(4, True), "row 1: 'batch_size' is a bool"),
-        (wrong(8, 1), "row 1: 'checkpointing' is a int"),
+        (wrong(8, 1), "row 1: 'checkpointing' is an int"),
         (wrong(3, [1.0]), "row 1: 'loss' is a list"),
         (wrong(10, {"device": "cpu"}), "row 1: 'memory' is a dict"),
         (wrong(10, ["cpu", 1]), "row 1's memory is not a list of 17 values"),
@@ -112,6 +112,8 @@ def test_many_rows_are_parsed_without_the_walk_and_a_deep_row_is_still_refused(m
         checked(parse_server(deep))
     with pytest.raises(pytest.fail.Exception, match="walked"):
         parse_server(encode({"kind": "event", "x": [[]] * 40}))
+    with pytest.raises(pytest.fail.Exception, match="walked"):  # more than its rows: counted as any other
+        parse_server(encode({"kind": "steps", "rows": [], "x": [[]] * 40}))
 
 
 def test_a_nan_loss_goes_as_null_and_does_not_hold_back_the_other_steps():
