@@ -177,12 +177,23 @@ class TelemetryServer:
         if listen:
             private_dir()
             find_jobs()  # removes the sockets of jobs killed with SIGKILL: they could not remove their own
-            if os.path.exists(self.path):  # ours by name: a dead process with our pid left it
-                os.unlink(self.path)
+            # Bound and listening under another name, then renamed into place: a client that finds the
+            # socket can connect to it (between bind() and listen() it would be refused).
+            binding = self.path + ".binding"
+            for stale in (self.path, binding):  # ours by name: a dead process with our pid left it
+                if os.path.lexists(stale):
+                    os.unlink(stale)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(self.path)
-            os.chmod(self.path, 0o600)
-            listener.listen(BACKLOG)
+            try:
+                listener.bind(binding)
+                os.chmod(binding, 0o600)
+                listener.listen(BACKLOG)
+                os.rename(binding, self.path)
+            except BaseException:
+                listener.close()
+                if os.path.lexists(binding):
+                    os.unlink(binding)
+                raise
             listener.setblocking(False)
             self._listener = listener
             self._selector.register(listener, selectors.EVENT_READ, None)

@@ -400,3 +400,22 @@ def test_a_mirror_of_a_job_of_another_protocol_version_says_so_once_and_does_not
         thread.join(10)
         for conn in accepted:
             conn.close()
+
+
+def test_the_socket_appears_only_once_it_listens(monkeypatch):
+    """A client that finds a job's socket can connect: between bind() and listen() it would be refused."""
+    seen = []
+    listen = socket.socket.listen
+
+    def listening(sock, *args):
+        seen.append(os.listdir(socket_dir()))
+        return listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", listening)
+    server = TelemetryServer(Hub()).start()
+    try:
+        assert seen == [[f"{os.getpid()}.sock.binding"]], "not under its name before it listens"
+        assert os.listdir(socket_dir()) == [f"{os.getpid()}.sock"]
+    finally:
+        server.close()
+    assert os.listdir(socket_dir()) == []
