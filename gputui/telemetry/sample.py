@@ -94,10 +94,6 @@ class Memory:
             "nvml_gap": self.nvml_gap,
         }
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Memory:
-        return cls(**_known(cls, data))
-
 
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
@@ -133,10 +129,6 @@ class RankMemory:
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _names(type(self))}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RankMemory:
-        return cls(**_known(cls, data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +201,6 @@ class HostReading:
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _names(type(self))}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> HostReading:
-        return cls(**_known(cls, data))
 
 
 @dataclass(frozen=True, slots=True)
