@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from statistics import fmean
 from typing import Any
 
-from .sample import StepSample
+from .sample import Memory
 
 
 class History:
@@ -75,12 +75,12 @@ class RunSeries:
     def _named(self) -> dict[str, History]:
         return {"loss": self.loss, "allocated": self.allocated, "reserved": self.reserved, "peak": self.peak}
 
-    def add(self, sample: StepSample) -> None:
-        m = sample.memory
-        self.loss.add(sample.step, sample.loss)
-        self.allocated.add(sample.step, m.allocated)
-        self.reserved.add(sample.step, m.reserved)
-        self.peak.add(sample.step, m.peak)
+    def add(self, step: int, loss: float | None, memory: Memory) -> None:
+        """A step's points, from its figures (the job's server folds records without making samples)."""
+        self.loss.add(step, loss)
+        self.allocated.add(step, memory.allocated)
+        self.reserved.add(step, memory.reserved)
+        self.peak.add(step, memory.peak)
 
     def clear(self) -> None:
         for history in self._named().values():

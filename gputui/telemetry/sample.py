@@ -282,6 +282,12 @@ class StepRecord:
             sample = self._sample = StepSample(*self.fields)
         return sample
 
+    def charted(self) -> tuple[int, float | None, Memory]:
+        """(step, loss, memory): what the run's charts take, read without making the sample (the job's
+        server folds every step into the history a welcome sends)."""
+        f = self.fields
+        return f[1], f[3], f[10]
+
     def row(self) -> list[Any]:
         """The step as the attach protocol sends it (a row of a `steps` record): StepSample's fields in
         their order, the memory, the host reading and each rank as their own fields' values. A step

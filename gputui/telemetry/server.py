@@ -120,7 +120,8 @@ class TelemetryServer:
     def __init__(self, hub: Hub, path: str | None = None) -> None:
         self.hub = hub
         self.path = path or socket_path()
-        self._queue: deque[tuple[str, Any]] = deque(maxlen=100_000)
+        # A step as its record (the one append a step: no tuple to make), anything else as (kind, item).
+        self._queue: deque[StepRecord | tuple[str, Any]] = deque(maxlen=100_000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -155,7 +156,7 @@ class TelemetryServer:
         self.on_record(StepRecord.of(sample))
 
     def on_record(self, record: StepRecord) -> None:
-        self._queue.append(("step", record))  # a client gets its row; its sample is made only for a welcome (_fold)
+        self._queue.append(record)  # a client gets its row; no sample is made for it
 
     def on_event(self, event: Event) -> None:
         self._queue.append(("event", event))
@@ -409,15 +410,16 @@ class TelemetryServer:
         """What the run published since the last turn, to every client: the steps as rows of one
         record (one encode a turn, not one a step), each other record after the steps before it."""
         rows: list[list[Any]] = []
-        while self._queue:
-            kind, item = self._queue.popleft()
-            if kind == "step":
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if isinstance(item, StepRecord):
                 self._step(item, rows)
                 continue
             if rows:
                 self._send({"kind": "steps", "rows": rows})
                 rows = []
-            self._send(self._record(kind, item))
+            self._send(self._record(*item))
         if rows:
             self._send({"kind": "steps", "rows": rows})
 
@@ -464,8 +466,9 @@ class TelemetryServer:
     def _fold(self) -> None:
         """The steps since the last fold into the history a welcome sends: made into samples when a
         client comes, not each step (no client, no work a step beyond an append)."""
+        add = self._series.add
         for item in self._unfolded:
-            self._series.add(item.sample())
+            add(*item.charted())
         self._unfolded.clear()
 
     def _answered(self, ids: set[int]) -> None:

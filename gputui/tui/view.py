@@ -147,7 +147,7 @@ class RunView:
             self.first = s
         self.latest = s
         self.samples_seen += 1
-        self.series.add(s)
+        self.series.add(s.step, s.loss, s.memory)
 
     def _event(self, e: Event) -> None:
         request = e.get("request_id")

@@ -66,6 +66,14 @@ def test_the_row_layout_is_the_samples_fields_in_order():
     assert all(len(rank) == len(fields(RankMemory)) for rank in row[15])
 
 
+def test_a_record_gives_the_charts_its_step_loss_and_memory_without_a_sample():
+    """The job's server folds every step into the history a welcome sends from the record's figures."""
+    sample = full()
+    record = StepRecord(StepRecord.of(sample).fields)
+    assert record.charted() == (sample.step, sample.loss, sample.memory)
+    assert record._sample is None
+
+
 def wrong(where: int | tuple[int, int], value) -> bytes:
     row = StepRecord.of(full()).row()
     if isinstance(where, tuple):
