@@ -18,6 +18,7 @@ import gc
 import inspect
 import os
 import struct
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -567,7 +568,45 @@ def _warn_sampler(rank: int) -> None:
 def _destroy() -> None:
     """The group goes before the interpreter does, after the DDP wrappers fit left to the garbage
     collector: one torn down at interpreter exit with its group gone aborted the process
-    (SIGABRT, "terminate called without an active exception") in about 1 launch in 10."""
+    (SIGABRT, "terminate called without an active exception") in about 1 launch in 10. Then the
+    group's gloo workers finish what they hold (_let_workers_finish), even where the group went
+    earlier (abort) or lives on in what still holds it (a sharded model, torch's DTensor caches)."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+    _let_workers_finish()
+
+
+def _let_workers_finish(limit_s: float = 5.0) -> None:
+    """Wait, the GIL released, until the gloo worker threads of this process are done (at most
+    `limit_s`). A worker drops a finished collective after its caller has moved on, and dropping it
+    takes the GIL (its tensors and the thread-local state it captured are Python objects): once the
+    interpreter is finalizing, taking the GIL ends the thread (pthread_exit) inside a C++ destructor,
+    which aborts the process (SIGABRT, "terminate called without an active exception"). A rank that
+    leaves right after its last collective (an OOM under FSDP, then exit) on a busy machine got there
+    before its starved worker did in about 1 launch in 7.
+
+    Done: no worker runnable twice in a row, each look after 10 ms without the GIL (a worker waiting
+    for it gets it then, or is still runnable). Linux only (torch names the threads pt_gloo_runloop)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        try:
+            states = [_thread_state(f"{tasks}/{tid}") for tid in os.listdir(tasks)]
+        except OSError:
+            return
+        quiet = quiet + 1 if "R" not in states else 0
+
+
+def _thread_state(task: str) -> str | None:
+    """A gloo worker's scheduler state ("R": runnable, "S": waiting); None for other threads."""
+    try:
+        with open(f"{task}/comm") as f:
+            if f.read().strip() != "pt_gloo_runloop":
+                return None
+        with open(f"{task}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:  # the thread ended meanwhile
+        return None
