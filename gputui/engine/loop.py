@@ -692,15 +692,16 @@ class _Trainer:
                 phase = "forward"
                 loss = self._forward(piece)
                 phase = "backward"
-                if count == 1:  # most steps: the batch whole, its loss as it is
-                    weighted = loss
+                if count == 1:  # most steps: the batch whole, its loss as it is (deferred.py detaches a copy)
+                    weighted = loss_sum = loss
                 else:
                     weighted = loss * ((size if i < count - 1 else total - size * (count - 1)) / total)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
                 if counting is not None:
                     counting.end_micro_batch()
-                detached = weighted.detach().float()
-                loss_sum = detached if loss_sum is None else loss_sum + detached
+                if count > 1:  # summed in float32, out of the graph
+                    detached = weighted.detach().float()
+                    loss_sum = detached if loss_sum is None else loss_sum + detached
             del piece, loss, weighted
             phase = "optimizer"
             self._optimizer_step()

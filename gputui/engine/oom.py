@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 import traceback
 import types
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ class _HostGenerator:
     itself. It stays armed from step to step while nothing draws (arming costs a microsecond); a
     draw between steps only disarms it, and the next start() arms it again. A draw the trap
     cannot see (through a function bound before it: `from random import random`) is caught by
-    comparing the whole state around the first steps and every CHECK_EVERY-th: from then on
-    every step saves it at its start.
+    comparing the whole state around the first steps and every CHECK_EVERY-th, at most one a
+    CHECK_S (a check reads the state twice, ~30 us for NumPy's): from then on every step saves it at
+    its start.
     """
 
     def __init__(self) -> None:
@@ -207,6 +209,7 @@ class Generators:
     on the step's first draw from them (_HostGenerator)."""
 
     CHECK_EVERY = 50
+    CHECK_S = 1.0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -216,6 +219,7 @@ class Generators:
         self.numpy: _NumpyRandom | None = None  # once numpy.random is imported
         self._hosts: tuple[_HostGenerator, ...] = (self.python,)
         self._starts = 0
+        self._checked = 0.0  # when the last checked step started
         self._torch: Any = None
         self._accel: Any = None
 
@@ -235,7 +239,10 @@ class Generators:
         if self.numpy is None and "numpy.random" in sys.modules:
             self.numpy = _NumpyRandom(sys.modules["numpy.random"])
             self._hosts = (self.python, self.numpy)
-        check = self._starts <= 3 or self._starts % self.CHECK_EVERY == 0
+        starts = self._starts
+        check = starts <= 3 or (starts % self.CHECK_EVERY == 0 and time.monotonic() - self._checked >= self.CHECK_S)
+        if check:
+            self._checked = time.monotonic()
         for host in self._hosts:  # written out: most steps, a few attribute reads and no call
             host.stepping = True
             if host.every_step or check:

@@ -183,7 +183,7 @@ held_random = random.random  # bound before any fit: past the trap on random._in
 
 
 @pytest.mark.parametrize("first_draw", [1, 7])  # from the first step, or from an unchecked step on
-def test_draws_through_a_function_bound_before_fit_are_caught_at_a_checked_step(hub, first_draw):
+def test_draws_through_a_function_bound_before_fit_are_caught_at_a_checked_step(hub, first_draw, monkeypatch):
     """`from random import random` holds the C method, which the lazy save cannot see: comparing
     the state around the first steps and every CHECK_EVERY-th finds it, and every step saves."""
     draws: list[tuple[int, float]] = []
@@ -199,16 +199,30 @@ def test_draws_through_a_function_bound_before_fit_are_caught_at_a_checked_step(
             raise torch.OutOfMemoryError("out of memory")
         return loss
 
-    Generators.CHECK_EVERY, saved = 10, Generators.CHECK_EVERY
-    try:
-        model = ConvNet()
-        result = gputui.fit(model, conv_batches(14, 4), step, sgd(model))
-    finally:
-        Generators.CHECK_EVERY = saved
+    monkeypatch.setattr(Generators, "CHECK_EVERY", 10)
+    monkeypatch.setattr(Generators, "CHECK_S", 0.0)
+    model = ConvNet()
+    result = gputui.fit(model, conv_batches(14, 4), step, sgd(model))
     assert result.steps == 14 and result.ooms_recovered == 1
     by_call = dict(draws)
     assert by_call[13] == by_call[12]  # the replay drew what the failed attempt drew
     assert by_call[14] != by_call[12]
+
+
+@pytest.mark.parametrize(("check_s", "checked"), [(0.0, [1, 2, 3, *range(4, 21, 2)]), (3600.0, [1, 2, 3])])
+def test_the_state_is_checked_every_check_every_th_step_at_most_once_a_check_s(monkeypatch, check_s, checked):
+    """The first three steps, then every CHECK_EVERY-th while CHECK_S has passed since the last: a loop of
+    fast steps pays a NumPy state read (~30 us, twice) a second, not one every 50 steps."""
+    monkeypatch.setattr(Generators, "CHECK_EVERY", 2)
+    monkeypatch.setattr(Generators, "CHECK_S", check_s)
+    generators = Generators(torch.device("cpu"))
+    reads = []
+    monkeypatch.setattr(generators.python, "get", lambda: reads.append(generators._starts) or random.getstate())
+    for _ in range(20):
+        generators.start()
+        generators.end()
+    generators.close()
+    assert sorted(set(reads)) == checked, reads  # each checked step reads the state at its start and end
 
 
 def test_host_generators_are_saved_only_by_steps_that_draw_from_them():
