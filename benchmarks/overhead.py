@@ -37,7 +37,14 @@ WORKLOADS = {
     "gpt": ("gpt", None, None),
     "mlp-1t": ("mlp", 1, None),
     "mlp-3ms": ("mlp", 1, 1024),
+    "null": ("null", 1, None),
 }
+# fit's own cost a step, where it stands out of the noise: the "null" model's step is ~0.3 ms of torch's own
+# Python, so a pair of steps differs by tens of microseconds, not by the hundreds a 1.5 ms step's jitter
+# brings. Measured in one process only: step by step, and in blocks (whole fit() calls, so what fit leaves
+# running beside the steps, its server thread and the garbage its records make, is charged to it).
+OWN = {"interleaved": (6000, 300), "blocks": (40, 300, 50)}
+QUICK_OWN = {"interleaved": (600, 50), "blocks": (6, 150, 30)}
 # (timed steps, warm-up steps) per workload; quick: a fraction. Warm-up long enough for the TUI's screen
 # (a process of its own) to be up: its start is not what a run of hours pays.
 FULL = {"mlp": (3000, 600), "gpt": (80, 20), "mlp-1t": (3000, 600), "mlp-3ms": (1500, 300)}
@@ -134,6 +141,7 @@ def alternating(tmp: str, model: str, blocks: int, steps: int, warmup: int, devi
         "fit_ms": harness.summary([1e3 * x for x in per_step["fit"]]),
         "ratio": plain["median"] / fit["median"],
         "paired_ratio": harness.summary([p / f for p, f in zip(per_step["plain"], per_step["fit"], strict=True)]),
+        "added_us": harness.summary([1e6 * (f - p) for p, f in zip(per_step["plain"], per_step["fit"], strict=True)]),
     }
 
 
@@ -218,7 +226,14 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                     loop: harness.summary([r["cpu_pct"].get("screen", 0.0) for r in rs]) for loop, rs in runs.items()
                 },
             }
+        own = QUICK_OWN if quick else OWN
+        out["own"] = {
+            "interleaved": interleaved(tmp, "null", *own["interleaved"], device),
+            "blocks": alternating(tmp, "null", *own["blocks"], device),
+        }
     from workloads import make  # the descriptions (torch, only now)
+
+    out["own"]["description"] = make("null").description
 
     for name in config:
         model, threads, batch = WORKLOADS[name]
@@ -283,6 +298,19 @@ def markdown(r: dict[str, Any]) -> str:
             f"step: fit adds **{harness.fmt(i['added_us']['median'])} us** a step (median of the pairs; "
             f"quartiles {harness.fmt(i['added_us']['q1'])} to {harness.fmt(i['added_us']['q3'])}), ratio "
             f"**{i['ratio']:.3f}**.",
+        ]
+    own = r.get("own")
+    if own:
+        i, b = own["interleaved"], own["blocks"]
+        lines += [
+            "",
+            f"**fit's own cost a step**, on {own['description']} ({harness.spread(i['plain_ms'])} ms a plain step, "
+            "so what a loop adds stands out of the jitter). Step by step in one process "
+            f"({i['steps']} pairs): fit adds **{harness.fmt(i['added_us']['median'])} us** (quartiles "
+            f"{harness.fmt(i['added_us']['q1'])} to {harness.fmt(i['added_us']['q3'])}). In {b['blocks']} blocks of "
+            f"{b['steps']} steps of each loop taking turns, each block a whole `fit()` (its server thread and the "
+            f"garbage its records make charged to it): **{harness.fmt(b['added_us']['median'])} us** (quartiles "
+            f"{harness.fmt(b['added_us']['q1'])} to {harness.fmt(b['added_us']['q3'])}).",
         ]
     return "\n".join(lines)
 

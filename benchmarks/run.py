@@ -133,6 +133,14 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
         two = oh["workloads"]["mlp"]
         if free and not bimodal(two):
             parts[-1] += f" (on torch's two threads: {at(two)})"
+        own = oh.get("own")
+        if own:
+            ms = own["interleaved"]["plain_ms"]["median"]
+            parts.append(
+                f"on a {ms:.2f} ms step that is mostly torch's own Python, where nothing else moves the figure, "
+                f"fit adds {own['blocks']['added_us']['median']:.0f} us a step (whole fit() calls taking turns with "
+                f"a plain loop; {own['interleaved']['added_us']['median']:.0f} us step by step)"
+            )
     lat = results.get("latency", {}).get("result")
     if lat:
         worst = max(w["steps"]["max"] for w in lat["workloads"].values())
