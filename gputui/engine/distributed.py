@@ -20,6 +20,7 @@ import os
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,10 @@ class Distributed:
             # Whether the synced backward failed anywhere rides on DDP's own gradient all-reduce (the
             # last bucket's, a few more elements): no collective of its own. A script's DDP may have a
             # hook of its own: there a small all_reduce after the backward says it (agree_valid).
-            self.model.register_comm_hook(self, _with_verdict)
+            # The hook's state is a weak proxy: DDP's reducer holds it in C++, where the garbage
+            # collector cannot see a cycle back to the wrapper, which then outlived fit with its
+            # gradient buckets (a copy of every gradient) for the life of the process.
+            self.model.register_comm_hook(weakref.proxy(self), _with_verdict)
         if not self.fsdp:
             self.inner: nn.Module = self.model.module
             synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])

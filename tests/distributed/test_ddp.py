@@ -94,6 +94,10 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
         ranks=[r.to_json() for r in hub.latest().ranks] if hub.latest() else None,
         identity=[getattr(hub.info, k) for k in IDENTITY] if hub.info else None,
     )
+    if not wrap:  # the DDP wrapper fit made (its gradient buckets, a copy of every gradient) goes with fit
+        import gc
+        gc.collect()
+        record["ddp_alive"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
     if not (name == "fsdp-oom" and "error" in record):  # gathering the shards needs a group, gone there
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         torch.save(state, os.path.join(out, f"{name}.{rank}.pt"))
@@ -305,6 +309,7 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
     for name in ("equal-None", "equal-2"):
         for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
             assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)
+            assert record["ddp_alive"] == 0
             assert_close(state, expected)
     # Each rank's run says where it is in the job, the job's id the same on both (what `gputui jobs` groups by).
     ids = [r["identity"] for r in records(out, "equal-None")]
