@@ -38,7 +38,7 @@ class CudaCopy:
         self.event = torch.cuda.Event()
 
     def start(self, loss: torch.Tensor) -> None:
-        self.host.copy_(loss.detach(), non_blocking=True)  # a whole batch's loss comes as it is, in its graph
+        self.host.copy_(loss.reshape(()), non_blocking=True)  # a loss of shape (1,) too: the step checks numel()
         self.event.record(torch.cuda.current_stream(loss.device))  # the copy's stream, whichever device is current
 
     def done(self) -> bool:

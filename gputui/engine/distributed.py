@@ -20,7 +20,6 @@ import os
 import struct
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +135,7 @@ class Distributed:
                 atexit.register(_destroy)  # the script made no group: ours goes when the process does
             _group_ours = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._verdict = _Verdict(self.world_size)  # this rank's verdict on its synced backward, and every rank's
         self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
         self._buffer_sync: tuple[str, bool] | None = None
         self.model: Any
@@ -159,10 +159,10 @@ class Distributed:
             # Whether the synced backward failed anywhere rides on DDP's own gradient all-reduce (the
             # last bucket's, a few more elements): no collective of its own. A script's DDP may have a
             # hook of its own: there a small all_reduce after the backward says it (agree_valid).
-            # The hook's state is a weak proxy: DDP's reducer holds it in C++, where the garbage
-            # collector cannot see a cycle back to the wrapper, which then outlived fit with its
-            # gradient buckets (a copy of every gradient) for the life of the process.
-            self.model.register_comm_hook(weakref.proxy(self), _with_verdict)
+            # The hook's state holds the verdicts alone: DDP's reducer keeps it in C++, where the
+            # garbage collector cannot see a cycle, and one back to the wrapper kept it alive after
+            # fit with its gradient buckets (a copy of every gradient) for the life of the process.
+            self.model.register_comm_hook(self._verdict, _with_verdict)
         if not self.fsdp:
             self.inner: nn.Module = self.model.module
             synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
@@ -172,9 +172,6 @@ class Distributed:
         if self.sampler is None and isinstance(data, DataLoader):
             _warn_sampler(self.rank)
         self.failure: Failure | None = None
-        self._verdict = [0, 0, 0]  # this rank's: its synced backward failed, cannot go on, its bit
-        self._verdict_sent = False
-        self._verdicts: torch.Tensor | None = None  # every rank's, summed
         # Which parameters' gradients DDP has taken in the synced backward: a post hook on each one's
         # AccumulateGrad node, registered after DDP's (hooks run in order), so an OOM there can be rescued.
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
@@ -394,24 +391,25 @@ class Distributed:
     def begin_synced(self) -> None:
         """Before the synced backward: no gradient taken yet, nothing failed."""
         self.arrived.clear()
-        self._verdict, self._verdict_sent, self._verdicts = [0, 0, 0], False, None
+        self._verdict.clear()
 
     def failed_synced(self, fatal: bool) -> bool:
         """This rank's synced step failed, before its buckets are completed: the last one carries it.
         False when the last bucket went out before the failure (the others cannot hear of it now)."""
         bit = 1 << self.rank if self.rank < _VERDICT_RANKS else 0
-        self._verdict = [1, int(fatal), bit]
-        return not (self.ours and self._verdict_sent)
+        self._verdict.mine = [1, int(fatal), bit]
+        return not (self.ours and self._verdict.sent)
 
     def agree_valid(self) -> tuple[int, int, list[int]]:
         """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
         if self.ours:
-            if self._verdicts is None:  # the bucket of a parameter that got no gradient never went out
+            summed = self._verdict.summed
+            if summed is None:  # the bucket of a parameter that got no gradient never went out
                 raise FitError(f"rank {self.rank}: {UNUSED}")
-            failures, fatals, ranks = (round(x) for x in self._verdicts.tolist())
+            failures, fatals, ranks = (round(x) for x in summed.tolist())
         else:
-            tensor = torch.tensor(self._verdict, dtype=torch.int64, device=self.device)
+            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64, device=self.device)
             _collective(dist.all_reduce, tensor)
             failures, fatals, ranks = tensor.tolist()
         return failures, fatals, [r for r in range(min(self.world_size, _VERDICT_RANKS)) if ranks >> r & 1]
@@ -491,21 +489,35 @@ def is_transport(exc: BaseException) -> bool:
     )
 
 
-def _with_verdict(d, bucket):
+class _Verdict:
+    """This rank's verdict on its synced backward (failed, cannot go on, its bit) and every rank's
+    summed, as fit's DDP comm hook carries them; nothing else, so nothing leads back to the wrapper."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.clear()
+
+    def clear(self) -> None:
+        self.mine = [0, 0, 0]
+        self.sent = False  # the step's last bucket went out, carrying `mine`
+        self.summed: torch.Tensor | None = None
+
+
+def _with_verdict(v, bucket):
     """DDP's all-reduce of a bucket (the mean over the ranks, as its default hook), with each rank's
     verdict on its synced backward appended to the last bucket of the step and summed with it.
     Unannotated: DDP compares the annotations with its own types, and here they would be strings."""
     if not bucket.is_last():
         return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
     buffer = bucket.buffer()
-    d._verdict_sent = True
-    verdict = torch.tensor(d._verdict, dtype=buffer.dtype, device=buffer.device)
-    joined = torch.cat([buffer / d.world_size, verdict])
+    v.sent = True
+    verdict = torch.tensor(v.mine, dtype=buffer.dtype, device=buffer.device)
+    joined = torch.cat([buffer / v.world_size, verdict])
     size = buffer.numel()
 
     def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = done.value()[0]
-        d._verdicts = out[size:]
+        v.summed = out[size:]
         return out[:size]
 
     return dist.all_reduce(joined, async_op=True).get_future().then(split)

@@ -692,8 +692,8 @@ class _Trainer:
                 phase = "forward"
                 loss = self._forward(piece)
                 phase = "backward"
-                if count == 1:  # most steps: the batch whole, its loss as it is (deferred.py detaches a copy)
-                    weighted = loss_sum = loss
+                if count == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
+                    weighted, loss_sum = loss, loss.detach()
                 else:
                     weighted = loss * ((size if i < count - 1 else total - size * (count - 1)) / total)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 import traceback
 import types
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 import torch
@@ -240,9 +240,9 @@ class Generators:
             self.numpy = _NumpyRandom(sys.modules["numpy.random"])
             self._hosts = (self.python, self.numpy)
         starts = self._starts
-        check = starts <= 3 or (starts % self.CHECK_EVERY == 0 and time.monotonic() - self._checked >= self.CHECK_S)
+        check = starts <= 3 or (starts % self.CHECK_EVERY == 0 and monotonic() - self._checked >= self.CHECK_S)
         if check:
-            self._checked = time.monotonic()
+            self._checked = monotonic()
         for host in self._hosts:  # written out: most steps, a few attribute reads and no call
             host.stepping = True
             if host.every_step or check:

@@ -464,8 +464,8 @@ class TelemetryServer:
         return clean({"kind": "end", "summary": self._summary})
 
     def _fold(self) -> None:
-        """The steps since the last fold into the history a welcome sends: made into samples when a
-        client comes, not each step (no client, no work a step beyond an append)."""
+        """The steps since the last fold into the history a welcome sends, from their records' figures
+        (no sample made): when a client comes or FOLD_AT have gathered, not each step."""
         add = self._series.add
         for item in self._unfolded:
             add(*item.charted())

@@ -112,6 +112,18 @@ for name in sys.argv[3:]:
         run(name, mine, micro_batch=None if size == "None" else int(size), epochs=2)
     elif name == "uneven-lengths":  # rank 0 has 3 batches an epoch, rank 1 two: both train 2 an epoch
         run(name, mine if rank == 0 else mine[:2], epochs=2)
+    elif name == "refit":  # the script keeps the DDP wrapper fit made (its step is given it) and fits it again
+        import gc
+        kept = []
+        def keeping(model, batch, plain=step):
+            kept.append(model)
+            return plain(model, batch)
+        plain, step = step, keeping
+        run(name, mine)
+        step = plain
+        kept[1:] = []
+        gc.collect()  # fit's own objects go: the wrapper's comm hook must not need them
+        run("refit-again", mine, make_model=lambda: kept[0])
     elif name == "controls":  # asked of rank 0 alone
         def requests(hub):
             if rank == 0:
@@ -304,13 +316,15 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
     """fit initialises the group itself here. Weights equal the single-process reference (uneven
     last batch, micro-batch None and 2); uneven data lengths end each epoch on every rank at the
     shortest; a halve and a stop sent to rank 0 alone are applied by both at the same step."""
-    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls")
+    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls", "refit")
     expected = reference(epochs=2)
     for name in ("equal-None", "equal-2"):
         for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
             assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)
             assert record["ddp_alive"] == 0
             assert_close(state, expected)
+    # A wrapper fit made and the script kept trains again once fit's own objects are gone.
+    assert [(r["steps"], r.get("error")) for r in records(out, "refit-again")] == [(3, None), (3, None)]
     # Each rank's run says where it is in the job, the job's id the same on both (what `gputui jobs` groups by).
     ids = [r["identity"] for r in records(out, "equal-None")]
     assert [i[:4] for i in ids] == [[0, 2, 0, 0], [1, 2, 1, 0]] and ids[0][4] == ids[1][4] != ""

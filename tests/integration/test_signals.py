@@ -299,6 +299,9 @@ def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # SIGINT as a terminal gives it: a suite started as a shell's `cmd &` passes it on ignored, and a plain
+        # script that ignores it ignores it after its save too (as it would have; `gputui run` does not).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     stdout, _ = signal_mid_save(proc, sig, saving, go)
     assert proc.returncode != 0 and "after the save" not in stdout, "the signal still ends the script"

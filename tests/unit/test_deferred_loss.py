@@ -1,8 +1,11 @@
 """The loss read without waiting for the device (engine/deferred.py), driven on the CPU by copies that
 arrive late, as a GPU's would: samples carry the newest loss that arrived, fit returns the last one exactly."""
 
+import weakref
+
 import torch
 from helpers import ConvNet, conv_batches, conv_step
+from torch.nn import functional as F
 
 import gputui
 from gputui.engine import deferred
@@ -81,3 +84,32 @@ def test_fit_publishes_the_losses_that_arrived_and_returns_the_last_one_exact(hu
     assert now_samples == computed
     assert later_samples == [None, *computed[:-1]]  # each sample a step late on a device that lags
     assert now.loss == later.loss == computed[-1]  # but the run's last loss is exact
+
+
+def test_the_loss_read_does_not_keep_the_steps_graph_alive_through_the_optimizer(hub):
+    """The loss handed to the reader is detached: what the step's graph holds beyond its saved tensors (a
+    Function's own attributes) goes after backward, before optimizer.step() allocates its state."""
+    refs = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.big = torch.ones(256, 256)  # an attribute, not save_for_backward: it goes with the graph
+            refs.append(weakref.ref(ctx.big))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    alive = []
+
+    class Watching(torch.optim.SGD):
+        def step(self, closure=None):
+            alive.append(sum(ref() is not None for ref in refs))
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 1)
+    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3)]
+    gputui.fit(model, batches, lambda m, b: F.mse_loss(Keep.apply(m(b[0])), b[1]), Watching(model.parameters(), 0.1))
+    assert alive == [0, 0, 0]

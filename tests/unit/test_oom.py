@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gputui
+from gputui.engine import oom
 from gputui.engine.loop import MAX_RETRIES
 from gputui.engine.oom import Generators, is_oom
 from gputui.probes import host
@@ -209,16 +210,23 @@ def test_draws_through_a_function_bound_before_fit_are_caught_at_a_checked_step(
     assert by_call[14] != by_call[12]
 
 
-@pytest.mark.parametrize(("check_s", "checked"), [(0.0, [1, 2, 3, *range(4, 21, 2)]), (3600.0, [1, 2, 3])])
+@pytest.mark.parametrize(
+    ("check_s", "checked"),
+    [(0.0, [1, 2, 3, *range(4, 21, 2)]), (1.0, [1, 2, 3, 8, 12, 16, 20]), (3600.0, [1, 2, 3])],
+)
 def test_the_state_is_checked_every_check_every_th_step_at_most_once_a_check_s(monkeypatch, check_s, checked):
-    """The first three steps, then every CHECK_EVERY-th while CHECK_S has passed since the last: a loop of
-    fast steps pays a NumPy state read (~30 us, twice) a second, not one every 50 steps."""
+    """The first three steps, then every CHECK_EVERY-th while CHECK_S has passed since the last checked
+    step: a loop of fast steps pays a NumPy state read (~30 us, twice) a second, not one every 50 steps.
+    Steps 0.3 s apart on a clock of the test's."""
     monkeypatch.setattr(Generators, "CHECK_EVERY", 2)
     monkeypatch.setattr(Generators, "CHECK_S", check_s)
+    now = [0.0]
+    monkeypatch.setattr(oom, "monotonic", lambda: now[0])
     generators = Generators(torch.device("cpu"))
     reads = []
     monkeypatch.setattr(generators.python, "get", lambda: reads.append(generators._starts) or random.getstate())
-    for _ in range(20):
+    for step in range(1, 21):
+        now[0] = 0.3 * step
         generators.start()
         generators.end()
     generators.close()

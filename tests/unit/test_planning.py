@@ -194,8 +194,9 @@ def test_micro_batch_must_be_positive_or_auto(micro_batch):
 
 
 def test_a_remedy_after_a_plan_plans_again_for_the_new_setting(hub, monkeypatch):
-    # The table planned after a change is traced at boundaries, BOUNDARY_S each: on a loaded machine it
-    # would come in parts over the next steps. This test is about what is planned, not when.
+    # Tables are traced at boundaries, ASKED_S or BOUNDARY_S each: on a loaded machine one would come in
+    # parts over the next steps. This test is about what is planned, not when.
+    monkeypatch.setattr(planning, "ASKED_S", 60.0)
     monkeypatch.setattr(planning, "BOUNDARY_S", 60.0)
     model, opt = warmed()
     hub.add_sink(RequestAt(hub, 1, "plan"))
