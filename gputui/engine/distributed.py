@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -603,26 +604,22 @@ def _let_workers_finish(limit_s: float = 5.0) -> None:
     before its starved worker did in about 1 launch in 7.
 
     Done: no worker runnable twice in a row, each look after 10 ms without the GIL (a worker waiting
-    for it gets it then, or is still runnable). Linux only (torch names the threads pt_gloo_runloop)."""
-    tasks = f"/proc/{os.getpid()}/task"
+    for it gets it then, or is still runnable). Torch names the threads pt_gloo_runloop; where psutil
+    cannot read a thread as a process (not Linux), there is nothing to wait for."""
     deadline = time.monotonic() + limit_s
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
+        quiet = 0 if _gloo_running() else quiet + 1
+
+
+def _gloo_running() -> bool:
+    """Whether a gloo worker thread of this process is runnable now (psutil reads Linux's threads as processes)."""
+    for thread in psutil.Process().threads():
         try:
-            states = [_thread_state(f"{tasks}/{tid}") for tid in os.listdir(tasks)]
-        except OSError:
-            return
-        quiet = quiet + 1 if "R" not in states else 0
-
-
-def _thread_state(task: str) -> str | None:
-    """A gloo worker's scheduler state ("R": runnable, "S": waiting); None for other threads."""
-    try:
-        with open(f"{task}/comm") as f:
-            if f.read().strip() != "pt_gloo_runloop":
-                return None
-        with open(f"{task}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:  # the thread ended meanwhile
-        return None
+            task = psutil.Process(thread.id)
+            if task.name() == "pt_gloo_runloop" and task.status() == psutil.STATUS_RUNNING:
+                return True
+        except psutil.Error:  # ended meanwhile, or not a process here
+            continue
+    return False

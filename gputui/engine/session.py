@@ -242,27 +242,9 @@ class RunSession:
         memory = self.probe.read()
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
+        fields = (time.time(), steps, epoch, loss, batch_size, micro_batch, accumulation, amp, checkpointing)
         self.hub.publish_record(
-            StepRecord(
-                (
-                    time.time(),
-                    steps,
-                    epoch,
-                    loss,
-                    batch_size,
-                    micro_batch,
-                    accumulation,
-                    amp,
-                    checkpointing,
-                    samples_per_s,
-                    memory,
-                    samples,
-                    self._host,
-                    loss_source,
-                    steps_per_s,
-                    ranks,
-                )  # fmt: skip
-            )
+            StepRecord(fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks))
         )
         return memory
 
