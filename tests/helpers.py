@@ -83,6 +83,30 @@ def token_batches(n: int, size: int, seed: int = 0):
     ]
 
 
+def padded_batches(n: int, size: int, seed: int = 0):
+    """Hugging Face-shaped batches of variable-length sequences: labels -100 past each one's length
+    (one long sequence, the others short, so a token mean is far from a mean of sample means)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for b in range(n):
+        lengths = torch.randint(1, 3, (size,), generator=g)
+        lengths[b % size] = 7
+        labels = torch.randint(20, (size, 7), generator=g)
+        labels[torch.arange(7) >= lengths[:, None]] = -100
+        batches.append({"input_ids": torch.randint(20, (size, 7), generator=g), "labels": labels})
+    return batches
+
+
+def padded_step(model: nn.Module, batch) -> torch.Tensor:
+    """The mean over the tokens that count, as a Hugging Face causal LM's loss is."""
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def count_tokens(batch) -> torch.Tensor:
+    return (batch["labels"] != -100).sum()
+
+
 def plain_loop(model: nn.Module, batches, step, make_optimizer, epochs: int = 1, scheduler=None):
     """The reference: one optimizer step per global batch, no gputui."""
     optimizer = make_optimizer(model)

@@ -38,7 +38,7 @@ from ..telemetry.sample import RankMemory
 from .result import FitError
 
 # The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
-HAS_BATCH, SAMPLES, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
+HAS_BATCH, ITEMS, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
 _STOPS = ((TERMINATED, "terminated"), (INTERRUPTED, "interrupted"), (REQUESTED, "requested"))
 _NOT_EXCHANGED = frozenset({"stop"})  # a slot of its own (REQUESTED)
 CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
@@ -103,8 +103,9 @@ class Failure:
 class Agreed:
     """What the exchange told every rank (the same on each)."""
 
-    samples: int
-    """Samples in this step over all ranks: the global batch."""
+    items: int
+    """What the step's loss is a mean over, summed over all ranks: the global batch's samples, or the
+    items fit(items=) counts in it (tokens). Each rank's gradient is weighted by its share of this."""
     all_have_batch: bool
     all_have_next: bool
     fatal: int
@@ -291,7 +292,7 @@ class Distributed:
     def exchange(
         self,
         *,
-        samples: int | None,
+        items: int | None,
         has_next: bool,
         stop: str | None,
         micro_batch: int | None = None,
@@ -304,7 +305,8 @@ class Distributed:
         ooms: int = 0,
         thrashing: bool = False,
     ) -> Agreed:
-        """The step's one collective before the synced backward; `samples` None: no batch here. Each
+        """The step's one collective before the synced backward; `items`: this rank's share of the
+        global batch's items (samples, unless fit counts items), None: no batch here. Each
         rank also says its micro-batch (what it runs, and its setting: None for the whole batch) and its
         last step's peak and capacity, in slots of its own (the others write zeros there)."""
         first_rank = _FIRST_CONTROL + len(CONTROL_SLOTS)
@@ -321,8 +323,8 @@ class Distributed:
             ooms,
             int(thrashing),
         ]
-        vector[HAS_BATCH] = int(samples is not None)
-        vector[SAMPLES] = samples or 0
+        vector[HAS_BATCH] = int(items is not None)
+        vector[ITEMS] = items or 0
         vector[HAS_NEXT] = int(has_next)
         if self.failure is not None:
             vector[FATAL] = 1
@@ -364,7 +366,7 @@ class Distributed:
         self._configured = [slot[1] for slot in slots]
         self._batches = [slot[2] for slot in slots]
         return Agreed(
-            samples=total[SAMPLES],
+            items=total[ITEMS],
             all_have_batch=total[HAS_BATCH] == self.world_size,
             all_have_next=total[HAS_NEXT] == self.world_size,
             fatal=total[FATAL],

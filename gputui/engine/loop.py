@@ -30,7 +30,7 @@ from ..telemetry.sample import Memory
 from ..telemetry.setup import MetricsSink, for_process
 from ..units import format_bytes
 from .deferred import DeferredLoss
-from .microbatch import batch_size, shapes, sizes, split, to_device
+from .microbatch import batch_size, shapes, sizes, split, to_device, token_weighted
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
 from .remedies import Checkpointing, Precision
@@ -96,10 +96,10 @@ def _shared(mode: str, model: nn.Module) -> bool:
 
 class _Forwarded(NamedTuple):
     """A rank's share up to its synced backward: the last micro-batch's loss (None: out of memory
-    after DDP's synced forward returned, `oom`), its samples, the micro-batch count, the loss so far."""
+    after DDP's synced forward returned, `oom`), its items, the micro-batch count, the loss so far."""
 
     loss: torch.Tensor | None
-    samples: int
+    items: int
     pieces: int
     loss_sum: torch.Tensor | None
     oom: OomInfo | None
@@ -130,10 +130,13 @@ class FitOptions:
     memory_history: bool = False
     snapshot_dir: str | os.PathLike[str] | None = None
     distributed: str = "auto"
+    items: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
             _positive(name, getattr(self, name))
+        if self.items is not None and not callable(self.items):
+            raise TypeError(f"items must be a function items(batch) -> count, got {type(self.items).__name__}")
         if self.micro_batch != "auto":
             _positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):
@@ -161,6 +164,7 @@ def fit(
     memory_history: bool = False,
     snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
     distributed: str = "auto",
+    items: Callable[[Any], Any] | None = None,
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
@@ -168,6 +172,8 @@ def fit(
     both, training stops at whichever comes first. Options given on the gputui command line
     win over the same arguments here. `distributed="auto"`: under torchrun, every rank trains its
     share of each global batch through DistributedDataParallel (see engine/distributed.py).
+    `items(batch) -> count`: what the loss is a mean over (tokens that count); micro-batches are then
+    weighted by their items, not their samples, so their gradients add up to the global batch's.
     """
     options = FitOptions(
         epochs=epochs,
@@ -185,6 +191,7 @@ def fit(
         memory_history=memory_history,
         snapshot_dir=snapshot_dir,
         distributed=distributed,
+        items=items,
     )
     return _Trainer(model, data, step, optimizer, options).run()
 
@@ -273,6 +280,8 @@ class _Trainer:
         self._sharded = self.dist is not None and self.dist.fsdp
         self._shapes: Hashable = None  # the batch's shapes, as the last _train saw them
         self.auto_recover = o.auto_recover
+        self.items = o.items
+        self._units = 0  # this rank's share of the global batch's items (samples without `items`)
 
         self.epochs_done = self.epoch = self.ooms_recovered = 0
         self.batch_size = 0
@@ -283,6 +292,7 @@ class _Trainer:
         self._signal: str | None = None
         self._warned_loss = False
         self._said_batch_norm = not self.buffers.batch_norms  # said once, or nothing to say
+        self._said_items = self.items is not None  # the token-mean hint: said once, or not needed
         self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
         self._baseline = self.probe.allocated()  # allocated between steps: where an OOM must return to
         self._memory: Memory | None = None  # after the last step: its peak goes into the next exchange
@@ -388,7 +398,7 @@ class _Trainer:
         optimizer.step() that failed there) reaches every rank, which raise FitError together."""
         self._epochs_shared(d)
         d.set_epoch(self.epochs_done)  # a later fit on the same sampler goes on with the next shuffle
-        agreed = d.exchange(samples=None, has_next=False, stop=None)
+        agreed = d.exchange(items=None, has_next=False, stop=None)
         if agreed.fatal:
             raise self._fit_error(d, agreed, closing=True)
 
@@ -537,7 +547,7 @@ class _Trainer:
         signalled = self._signal or self.hub.stop_signal
         memory, latest = self._memory, self.hub.latest()
         agreed = d.exchange(
-            samples=self.batch_size if here else None,
+            items=self._units if here else None,
             has_next=has_next,
             stop=signalled,
             micro_batch=self._micro_batch() if here else None,
@@ -677,25 +687,29 @@ class _Trainer:
 
     def _attempt(self, batch: Any, size: int, allocated_before: int) -> OomInfo | None:
         """One try at a global batch in micro-batches of `size`; the OOM if it ran out of memory."""
-        total = self.batch_size
-        pieces = split(batch, size, total, self.min_micro_batch)
+        pieces = split(batch, size, self.batch_size, self.min_micro_batch)
         count = len(pieces)
-        if count > 1 and not self._said_batch_norm:
-            self._say_batch_norm(size)
+        if count > 1:
+            self._say_split(batch, size)
         scaler = self.precision.scaler
         tracker = self.tracker
         counting = tracker if tracker is not None and tracker.counting else None  # uncounted, nothing saved to free
         phase = "forward"
         try:
             loss_sum = None
+            counts, units = self._counts(pieces, size) if count > 1 else ([], 0)
+            if count > 1 and not units:
+                raise FitError(f"items() counted 0 items in the whole batch of step {self.steps + 1}: no loss to train")
             for i, piece in enumerate(pieces):
+                if count > 1 and not counts[i]:
+                    continue  # a loss over no items (a mean over nothing) weighs nothing
                 phase = "forward"
                 loss = self._forward(piece)
                 phase = "backward"
                 if count == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
                     weighted, loss_sum = loss, loss.detach()
                 else:
-                    weighted = loss * ((size if i < count - 1 else total - size * (count - 1)) / total)
+                    weighted = loss * (counts[i] / units)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
                 if counting is not None:
                     counting.end_micro_batch()
@@ -764,9 +778,13 @@ class _Trainer:
         reduce-scatters: no rank can replay alone, so the exchange comes first (the global batch is
         known before any forward: each micro-batch's loss is weighted by its share of it), and any
         failure ends the run (OOMs are prevented instead: _prevent())."""
+        if batch is not None:
+            self._count_share(d, batch)
         agreed = self._exchange(d, here=batch is not None, has_next=has_next)
         if agreed.fatal or not agreed.all_have_batch:
             raise self._fit_error(d, agreed)
+        if not agreed.items:
+            raise FitError(f"items() counted 0 items in the whole global batch of step {self.steps + 1}, on every rank")
         total, world = self.batch_size, d.world_size
         # Every rank runs as many passes as the one that needs the most (each all-gathers): a rank
         # with fewer samples splits its share finer, and one with fewer samples than passes repeats
@@ -778,24 +796,26 @@ class _Trainer:
         self.probe.start_step()
         pieces = split(batch, size, total, self.min_micro_batch)
         real = len(pieces)
-        pieces += [pieces[-1]] * (count - real)
-        if count > 1 and not self._said_batch_norm:
-            self._say_batch_norm(size)
+        if count > 1:
+            self._say_split(batch, size)
         scaler, tracker = self.precision.scaler, self.tracker
         phase = "forward"
         loss_sum = None
         try:
+            counts = self._counts(pieces, size)[0] if real > 1 else [self._units]
+            counts += [0] * (count - real)
+            pieces += [pieces[-1]] * (count - real)
             for i, piece in enumerate(pieces):
-                n = batch_size(piece) if i < real else 0
+                n = counts[i]
                 d.gradient_sync(i == count - 1)
                 phase = "forward"
                 loss = self._forward(piece)
                 phase = "backward"
-                weighted = loss * (world * n / agreed.samples)  # FSDP averages over the ranks, as DDP does
+                weighted = loss * (world * n / agreed.items)  # FSDP averages over the ranks, as DDP does
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
                 if tracker is not None:
                     tracker.end_micro_batch()
-                local = loss.detach().float() * (n / total)
+                local = loss.detach().float() * (n / self._units if self._units else 0.0)
                 loss_sum = local if loss_sum is None else loss_sum + local
             del piece, loss, weighted
             phase = "optimizer"
@@ -808,6 +828,18 @@ class _Trainer:
         assert loss_sum is not None
         self._step_done(loss_sum, count)
         return agreed.all_have_next
+
+    def _count_share(self, d: Distributed, batch: Any) -> None:
+        """This rank's items for the exchange (its samples without `items`); a count that fails is this
+        rank's failure, said there, not an exception the other ranks would wait on."""
+        from .distributed import Failure
+
+        try:
+            self._units = self._count(batch) if self.items is not None else self.batch_size
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, FitError) else f"{type(exc).__name__}: {exc}"
+            where = f"rank {d.rank}, step {self.steps + 1}, counting items"
+            d.failure = Failure(f"{where}: {message}", oom=False, error=exc)
 
     def _fsdp_failure(self, d: Distributed, exc: Exception, phase: str, size: int) -> FitError:
         """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in,
@@ -839,29 +871,31 @@ class _Trainer:
         (d.failure says how)."""
         from .distributed import Failure
 
-        total = self.batch_size
         size = self._micro_batch()
         if self.tracker is not None:
             self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
         self.probe.start_step()
-        pieces = split(batch, size, total, self.min_micro_batch)
+        pieces = split(batch, size, self.batch_size, self.min_micro_batch)
         count = len(pieces)
-        if count > 1 and not self._said_batch_norm:
-            self._say_batch_norm(size)
+        if count > 1:
+            self._say_split(batch, size)
         scaler, tracker = self.precision.scaler, self.tracker
         phase = "forward"
         loss_sum = None
         d.prepared = None
         try:
+            counts, self._units = self._counts(pieces, size)  # weighted by this rank's share until the exchange
             for i, piece in enumerate(pieces):
-                n = size if i < count - 1 else total - size * (count - 1)
+                n = counts[i]
+                if not n and i < count - 1:
+                    continue  # a loss over no items weighs nothing (the last piece runs: it syncs)
                 phase = "forward"
                 with nullcontext() if i == count - 1 else d.model.no_sync():
                     loss = self._forward(piece)
                     if i == count - 1:
                         return _Forwarded(loss, n, count, loss_sum, None)
                     phase = "backward"
-                    weighted = loss * (n / total)
+                    weighted = loss * (n / self._units)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
                 if tracker is not None:
                     tracker.end_micro_batch()
@@ -910,11 +944,15 @@ class _Trainer:
         attempt: int,
     ) -> tuple[bool, OomInfo | None]:
         """The last backward (DDP all-reduces its buckets), then the step. DDP averages the ranks'
-        gradients; scaled by world_size * (this rank's samples) / (all ranks' samples), the average
-        is the gradient of the mean loss over the global batch, uneven shards included."""
-        total, world = self.batch_size, d.world_size
-        loss, n, count, loss_sum = last.loss, last.samples, last.pieces, last.loss_sum
-        scale = world * total / agreed.samples
+        gradients; scaled by world_size * (this rank's items) / (all ranks' items), the average is
+        the gradient of the mean loss over the global batch (its samples, or its `items`), uneven
+        shards included."""
+        world = d.world_size
+        loss, n, count, loss_sum = last.loss, last.items, last.pieces, last.loss_sum
+        if not agreed.items:  # the same on every rank: all raise here, before any collective
+            self._drop_step()
+            raise FitError(f"items() counted 0 items in the whole global batch of step {self.steps + 1}, on every rank")
+        scale = world * self._units / agreed.items
         if count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
             for group in self.optimizer.param_groups:
                 grads = [p.grad for p in group["params"] if p.grad is not None]
@@ -925,7 +963,7 @@ class _Trainer:
         failed, oom = last.oom, True
         weighted = None
         if loss is not None:
-            weighted = loss * (world * n / agreed.samples)
+            weighted = loss * (world * n / agreed.items)
             try:
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
             except Exception as exc:
@@ -978,7 +1016,7 @@ class _Trainer:
         assert weighted is not None
         if tracker is not None:
             tracker.end_micro_batch()
-        local = weighted.detach().float() / scale
+        local = weighted.detach().float() / scale if scale else weighted.detach().float()  # this rank's mean
         loss_sum = local if loss_sum is None else loss_sum + local
         del weighted
         d.broadcast_buffers()
@@ -1314,6 +1352,39 @@ class _Trainer:
         planner.step_measured(setting, shape, memory.peak, breakdown)
         if planner.near_capacity(setting, shape, memory.peak, memory.capacity) and not planner.pending:
             planner.ask("near_capacity")
+
+    def _counts(self, pieces: list[Any], size: int) -> tuple[list[int], int]:
+        """Each piece's weight units and their sum: its samples, or with `items` what its loss is a mean
+        over (so the pieces' weighted losses add up to the global batch's mean, whatever the padding)."""
+        if self.items is None:
+            counts = sizes(self.batch_size, size, self.min_micro_batch)
+        else:
+            counts = [self._count(piece) for piece in pieces]
+        return counts, sum(counts)
+
+    def _count(self, batch: Any) -> int:
+        """items(batch) as a count: an int, or a tensor of one integral value (read on the host batch)."""
+        assert self.items is not None
+        n = self.items(batch)
+        try:
+            value = float(n)  # an int, a NumPy integer, a one-element tensor
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+        if isinstance(n, bool) or not (value >= 0 and value.is_integer()):
+            shown = f"a tensor of shape {tuple(n.shape)}" if isinstance(n, torch.Tensor) else repr(n)[:80]
+            raise FitError(f"items(batch) must return a count (an int >= 0, or a one-element tensor), got {shown}")
+        return int(value)
+
+    def _say_split(self, batch: Any, size: int) -> None:
+        """Once a run each, the first time a batch is cut: what micro-batching changes for BatchNorm, and
+        that a batch looking token-weighted has its pieces weighted by samples (without `items`)."""
+        if not self._said_batch_norm:
+            self._say_batch_norm(size)
+        if not self._said_items:
+            self._said_items = True
+            hint = token_weighted(batch)
+            if hint is not None:
+                self.session.emit("items_hint", why=hint[0], fix=hint[1], micro_batch=size)
 
     def _say_batch_norm(self, size: int) -> None:
         """Once a run: micro-batching changes what BatchNorm computes, unlike every other remedy."""

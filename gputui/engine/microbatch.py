@@ -84,6 +84,32 @@ def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:
     return batch
 
 
+def _fields(batch: Any) -> tuple[dict[str, Any], str]:
+    """A batch's named fields, and how a script reads one (`{}` for a batch that names none)."""
+    if isinstance(batch, Mapping):
+        return dict(batch), 'batch["{}"]'
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return dict(zip(batch._fields, batch, strict=True)), "batch.{}"
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, "batch.{}"
+    return {}, ""
+
+
+def token_weighted(batch: Any) -> tuple[str, str] | None:
+    """Why a batch looks made for a loss that is a mean over tokens (Hugging Face's labels of -100
+    on padding, an attention mask with padding), and the items= that counts them; None when
+    nothing says so. Read once a run: the test reads values (a device sync on a GPU batch)."""
+    fields, read = _fields(batch)
+    labels, mask = fields.get("labels"), fields.get("attention_mask")
+    if isinstance(labels, torch.Tensor) and bool((labels == -100).any()):
+        field = read.format("labels")
+        return "its labels hold -100 (positions the loss ignores)", f"items=lambda batch: ({field} != -100).sum()"
+    if isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
+        field = read.format("attention_mask")
+        return "its attention_mask has padding", f"items=lambda batch: {field}.sum()"
+    return None
+
+
 def tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor in the batch, in the containers split() walks (dataclasses too, which pytree skips)."""
     if isinstance(batch, torch.Tensor):

@@ -136,6 +136,11 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         f"{e['batch_size']}: its statistics (and running averages, updated once per micro-batch) differ from "
         "full-batch training (GroupNorm or LayerNorm would not)"
     ),
+    "items_hint": lambda e: (
+        f"micro-batches of {e['micro_batch']} are weighted by their samples, but the batch looks token-weighted "
+        f"({e['why']}): if the loss is a mean over tokens, that gradient is not the whole batch's; "
+        f"count them with fit(..., {e['fix']})"
+    ),
     "thrashing": lambda e: (
         f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
         f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"

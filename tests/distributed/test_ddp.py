@@ -45,12 +45,44 @@ def shard(batch, rank):
 
 def step(model, batch):
     return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+# Token-mean losses over padded sequences of variable length: 3 global batches of 8, 4 a rank, the
+# long sequences on rank 0 (so the ranks' token counts differ, as do the pieces').
+def token_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(20, 8), nn.Tanh(), nn.Linear(8, 20))
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for b in range(3):
+        lengths = torch.tensor([7, 1, 2, 6, 1, 1, 2, 1]).roll(b)
+        labels = torch.randint(20, (8, 7), generator=g)
+        labels[torch.arange(7) >= lengths[:, None]] = -100
+        batches.append({"input_ids": torch.randint(20, (8, 7), generator=g), "labels": labels})
+    return batches
+
+
+def token_shard(batch, rank):
+    return {k: v[:4] if rank == 0 else v[4:] for k, v in batch.items()}
+
+
+def token_step(model, batch):
+    logits = model(batch["input_ids"])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def count_tokens(batch):
+    return (batch["labels"] != -100).sum()
 """
 
 SCRIPT = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
-from common import make_model, global_batches, shard, step
+from common import make_model, global_batches, shard, step, token_model, token_batches, token_shard, token_step
+from common import count_tokens
 import gputui
 from gputui.telemetry import hub as hubs
 from helpers import RequestAt
@@ -163,6 +195,13 @@ for name in sys.argv[3:]:
             thrashing_allocator(types.SimpleNamespace(setattr=setattr))
         run(name, mine * 3, distributed="fsdp" if name == "thrash-fsdp" else "auto")
         session.for_device = real
+    elif name.startswith("tokens-"):  # tokens-[fsdp-|samples-]SIZE: token-mean losses over padded sequences
+        kind, size = name.split("-")[1:-1], name.split("-")[-1]
+        plain, step = step, token_step
+        run(name, [token_shard(b, rank) for b in token_batches()], make_model=token_model,
+            micro_batch=None if size == "None" else int(size), distributed="fsdp" if kind == ["fsdp"] else "auto",
+            items=None if kind == ["samples"] else count_tokens)
+        step = plain
     elif name.startswith("fsdp-"):
         kind = name.split("-", 1)[1]
         if kind in ("None", "2"):
@@ -304,6 +343,36 @@ def reference(epochs: int) -> dict[str, torch.Tensor]:
             optimizer.step()
             optimizer.zero_grad()
     return model.state_dict()
+
+
+def token_reference() -> dict[str, torch.Tensor]:
+    """One process, the whole global batch each step, a plain loop: the token mean over all 8 samples."""
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    model = namespace["token_model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in namespace["token_batches"]():
+        namespace["token_step"](model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_token_weighted_micro_batches_equal_one_process(tmp_path):
+    """With items=, each rank's pieces are weighted by their tokens over every rank's tokens (the global
+    count comes with the step's one exchange): weights equal one process's full-batch token mean at
+    micro-batch None, 2 and 3 (pieces of 3 and 1), under DDP and FSDP2. Weighted by samples, they do not."""
+    good = ("tokens-None", "tokens-2", "tokens-3", "tokens-fsdp-2", "tokens-fsdp-3")
+    out = launch(tmp_path, "fit-group", *good, "tokens-samples-2")
+    expected = token_reference()
+    for name in good:
+        for record, state in zip(records(out, name), weights(out, name), strict=True):
+            assert (record["steps"], record.get("error")) == (3, None), (name, record)
+            assert_close(state, expected)
+    by_samples = weights(out, "tokens-samples-2")[0]
+    assert max(float((by_samples[k] - expected[k]).abs().max()) for k in expected) > 1e-3
+    hints = [[e for e in r["events"] if e[0] == "items_hint"] for r in records(out, "tokens-samples-2")]
+    assert hints == [[["items_hint", 0, None]]] * 2
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

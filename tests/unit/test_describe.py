@@ -21,6 +21,11 @@ EXAMPLES = {
     "control_refused": {"action": "halve_batch", "reason": "the micro-batch is already 1"},
     "loss_not_finite": {"loss": "nan"},
     "batch_norm_micro_batched": {"layers": 2, "micro_batch": 4, "batch_size": 16},
+    "items_hint": {
+        "why": "its labels hold -100 (positions the loss ignores)",
+        "fix": 'items=lambda batch: (batch["labels"] != -100).sum()',
+        "micro_batch": 4,
+    },
     "thrashing": {"alloc_retries": 6, "steps": 3, "micro_batch": 8, "micro_batch_to": 4, "accumulation": 2},
     "snapshot_saved": {"path": "/tmp/s.pickle", "summary_path": "/tmp/s.txt", "reason": "requested"},
     "top_tensors": {"rows": [ROW], "total_bytes": 16384, "tensors": 2},
