@@ -97,15 +97,16 @@ def _fields(batch: Any) -> tuple[dict[str, Any], str]:
 
 def token_weighted(batch: Any) -> tuple[str, str] | None:
     """Why a batch looks made for a loss that is a mean over tokens (Hugging Face's labels of -100
-    on padding, an attention mask with padding), and the items= that counts them; None when
-    nothing says so. Read once a run: the test reads values (a device sync on a GPU batch)."""
+    on padding, an attention mask with padding), and the items= that counts them as a causal LM's
+    loss does (it drops each sequence's first label: `[:, 1:]`); None when nothing says so. Read
+    once a run: the test reads values (a device sync on a GPU batch)."""
     fields, read = _fields(batch)
     labels, mask = fields.get("labels"), fields.get("attention_mask")
     if isinstance(labels, torch.Tensor) and bool((labels == -100).any()):
-        field = read.format("labels")
+        field = read.format("labels") + ("[:, 1:]" if labels.dim() > 1 else "")
         return "its labels hold -100 (positions the loss ignores)", f"items=lambda batch: ({field} != -100).sum()"
     if isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
-        field = read.format("attention_mask")
+        field = read.format("attention_mask") + ("[:, 1:]" if mask.dim() > 1 else "")
         return "its attention_mask has padding", f"items=lambda batch: {field}.sum()"
     return None
 

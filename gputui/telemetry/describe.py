@@ -139,7 +139,8 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "items_hint": lambda e: (
         f"micro-batches of {e['micro_batch']} are weighted by their samples, but the batch looks token-weighted "
         f"({e['why']}): if the loss is a mean over tokens, that gradient is not the whole batch's; "
-        f"count them with fit(..., {e['fix']})"
+        f"count them with fit(..., {e['fix']}) ([:, 1:] as a causal LM's loss, which skips each sequence's "
+        "first label; without it for a model that does not shift its labels)"
     ),
     "thrashing": lambda e: (
         f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "

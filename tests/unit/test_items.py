@@ -73,7 +73,7 @@ def test_without_items_a_split_batch_is_weighted_by_samples_and_says_so_once():
     result = gputui.fit(model, batches, padded_step, sgd(model), micro_batch=2)
     hints = [e for e in result.events if e.name == "items_hint"]
     assert len(hints) == 1 and hints[0].step == 0
-    assert hints[0]["fix"] == 'items=lambda batch: (batch["labels"] != -100).sum()'
+    assert hints[0]["fix"] == 'items=lambda batch: (batch["labels"][:, 1:] != -100).sum()'
 
 
 def test_oom_replays_keep_the_token_weights(monkeypatch):
@@ -132,9 +132,10 @@ class Batch:
 
 def test_what_looks_token_weighted():
     labels = torch.tensor([[1, 2, -100]])
-    assert token_weighted({"labels": labels})[1] == 'items=lambda batch: (batch["labels"] != -100).sum()'
+    assert token_weighted({"labels": labels})[1] == 'items=lambda batch: (batch["labels"][:, 1:] != -100).sum()'
+    assert token_weighted({"labels": labels[0]})[1] == 'items=lambda batch: (batch["labels"] != -100).sum()'
     assert token_weighted({"labels": labels.clamp(min=0)}) is None  # no padding: nothing to say
     masked = Batch(torch.zeros(1, 3), torch.tensor([[1, 1, 0]]))
-    assert token_weighted(masked)[1] == "items=lambda batch: batch.attention_mask.sum()"
+    assert token_weighted(masked)[1] == "items=lambda batch: batch.attention_mask[:, 1:].sum()"
     assert token_weighted(Batch(torch.zeros(1, 3), torch.ones(1, 3))) is None
     assert token_weighted((torch.zeros(2), labels)) is None  # names nothing: cannot tell
