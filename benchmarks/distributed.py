@@ -264,7 +264,7 @@ def plain_ddp(w: Workload, micro_batch: int | None, all_reduces: Sequence[int] =
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from gputui.engine.microbatch import batch_size, split
+    from gputui.step.microbatch import batch_size, split
 
     model = DistributedDataParallel(copy.deepcopy(w.model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

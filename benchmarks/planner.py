@@ -37,7 +37,7 @@ def models(device: str) -> list[tuple[str, Callable[[], tuple[Any, Any, Any, int
     from helpers import ConvNet, conv_step
     from workloads import demo_mlp, make
 
-    from gputui.engine.microbatch import to_device
+    from gputui.step.microbatch import to_device
 
     def mlp() -> tuple[Any, Any, Any, int]:
         torch.manual_seed(0)

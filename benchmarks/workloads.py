@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gputui.engine.microbatch import to_device
+from gputui.step.microbatch import to_device
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos"))
 import gpt as demo_gpt

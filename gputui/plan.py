@@ -33,9 +33,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from .engine.microbatch import batch_size, map_tensors, sizes, split, tensors, to_device
-from .engine.remedies import AMP_DTYPES, find_blocks, find_hugging_face
 from .probes.cpu import state_tensors
+from .step.checkpointing import find_blocks, find_hugging_face
+from .step.microbatch import batch_size, map_tensors, sizes, split, tensors, to_device
+from .step.precision import AMP_DTYPES
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 CUDA_BLOCK = 512

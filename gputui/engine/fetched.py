@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .microbatch import batch_size
+from ..step.microbatch import batch_size
 
 MAX_WAITING = 1024
 """Batches an iterator may hold unconsumed (an evaluation iterator kept alive, never ended)."""

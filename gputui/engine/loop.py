@@ -25,15 +25,17 @@ import torch
 from torch import nn
 
 from ..probes.cpu import CpuProbe
+from ..step.checkpointing import Checkpointing
+from ..step.microbatch import batch_size, shapes, to_device, token_weighted
+from ..step.precision import Precision
+from ..step.sizing import Sizing
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES, Control
 from ..telemetry.sample import Memory
 from ..telemetry.setup import MetricsSink, for_process
 from ..units import format_bytes
 from .deferred import DeferredLoss
-from .microbatch import batch_size, shapes, sizes, split, to_device, token_weighted
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
-from .remedies import Checkpointing, Precision
 from .result import FitError, FitResult
 from .session import RunSession
 
@@ -243,8 +245,8 @@ class _Trainer:
         model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
         self.buffers = Buffers(model)
         # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
-        self.min_micro_batch = 2 if self.buffers.batch_norms else 1
-        if isinstance(o.micro_batch, int) and o.micro_batch < self.min_micro_batch:
+        self.sizing = Sizing(2 if self.buffers.batch_norms else 1)
+        if isinstance(o.micro_batch, int) and o.micro_batch < self.sizing.floor:
             raise ValueError(
                 f"micro_batch={o.micro_batch}, but the model has BatchNorm layers and "
                 f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead"
@@ -523,9 +525,9 @@ class _Trainer:
         else:
             return
         current, _ = d.job_sizes()
-        if current <= max(1, self.min_micro_batch):
+        if not self.sizing.can_halve(current):
             return
-        new = max(current // 2, self.min_micro_batch)
+        new = self.sizing.halved(current)
         self.micro_batch, self._cooling = new, 2
         d.resized(new)
         details: dict[str, Any] = {"from": current, "to": new, "accumulation": self._accumulation(new)}
@@ -600,15 +602,14 @@ class _Trainer:
         if self.dist is not None and self.dist.ranks:  # the job's (the largest rank's): every rank decides alike
             current, batch = self.dist.job_sizes()
         if control.action == "halve_batch":
-            if current <= 1:
-                return self.session.refuse(control, "the micro-batch is already 1")
-            if current <= self.min_micro_batch:
-                return self.session.refuse(control, BATCH_NORM_FLOOR)
-            new = max(current // 2, self.min_micro_batch)
+            why = self.sizing.why_not_halve(current)
+            if why:
+                return self.session.refuse(control, why)
+            new = self.sizing.halved(current)
         else:
             if current >= batch:
                 return self.session.refuse(control, f"the micro-batch already equals the global batch ({batch})")
-            new = min(current * 2, batch)
+            new = self.sizing.doubled(current, batch)
         self.session.emit(
             "micro_batch_changed", control, **{"from": current, "to": new}, accumulation=self._accumulation(new)
         )
@@ -660,7 +661,7 @@ class _Trainer:
 
     def _accumulation(self, micro_batch: int) -> int:
         """Micro-batches a global batch is cut into (as _attempt cuts it)."""
-        return len(sizes(self.batch_size, micro_batch, self.min_micro_batch))
+        return self.sizing.accumulation(self.batch_size, micro_batch)
 
     # -- one global batch -------------------------------------------------------------------
     def _train(self, batch: Any) -> bool:
@@ -687,7 +688,7 @@ class _Trainer:
 
     def _attempt(self, batch: Any, size: int, allocated_before: int) -> OomInfo | None:
         """One try at a global batch in micro-batches of `size`; the OOM if it ran out of memory."""
-        pieces = split(batch, size, self.batch_size, self.min_micro_batch)
+        pieces = self.sizing.split(batch, size, self.batch_size)
         count = len(pieces)
         if count > 1:
             self._say_split(batch, size)
@@ -794,7 +795,7 @@ class _Trainer:
         if self.tracker is not None:
             self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
         self.probe.start_step()
-        pieces = split(batch, size, total, self.min_micro_batch)
+        pieces = self.sizing.split(batch, size, total)
         real = len(pieces)
         if count > 1:
             self._say_split(batch, size)
@@ -875,7 +876,7 @@ class _Trainer:
         if self.tracker is not None:
             self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
         self.probe.start_step()
-        pieces = split(batch, size, self.batch_size, self.min_micro_batch)
+        pieces = self.sizing.split(batch, size, self.batch_size)
         count = len(pieces)
         if count > 1:
             self._say_split(batch, size)
@@ -972,7 +973,7 @@ class _Trainer:
                 failed = OomInfo("backward", message, self._micro_batch(), self._baseline)
         fatal = False
         if failed is not None:
-            halvable = failed.micro_batch > max(1, self.min_micro_batch)
+            halvable = self.sizing.can_halve(failed.micro_batch)
             fatal = not (oom and self.auto_recover and halvable and attempt <= MAX_RETRIES)
             if not d.failed_synced(fatal):  # after its gradients went out: the others step on them
                 from .distributed import Failure
@@ -1174,7 +1175,7 @@ class _Trainer:
                     f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
                     f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
                 )
-            if oom.micro_batch <= self.min_micro_batch:
+            if oom.micro_batch <= self.sizing.floor:
                 self.session.emit("oom", **details, recovered=False)
                 raise FitError(
                     f"out of memory in {oom.phase} at micro-batch {oom.micro_batch}, and the model has "
@@ -1183,7 +1184,7 @@ class _Trainer:
                     "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
                     f"helps with the batch spread over several GPUs) ({oom.message})"
                 )
-            new, why = max(oom.micro_batch // 2, self.min_micro_batch), "halved"
+            new, why = self.sizing.halved(oom.micro_batch), "halved"
             picked = self._pick_after_oom(oom, batch) if batch is not None else None
             if picked is not None:
                 new, why = picked
@@ -1222,7 +1223,7 @@ class _Trainer:
                 checkpoint_modules=self._checkpoint_modules,
                 checkpointing_unavailable=self.checkpointing.unavailable(),
                 blocks=len(self.checkpointing.blocks),
-                min_micro_batch=self.min_micro_batch,
+                min_micro_batch=self.sizing.floor,
                 amp_unsupported=self.precision.unsupported,
                 emit=self.session.emit,
             )
@@ -1263,9 +1264,9 @@ class _Trainer:
         try:
             planner = self._get_planner()
             s = self._setting()
-            found = planner.largest(s.amp, s.checkpointing, self.min_micro_batch, total, batch, shapes(batch), capacity)
+            found = planner.largest(s.amp, s.checkpointing, self.sizing.floor, total, batch, shapes(batch), capacity)
             if found is None:
-                return self.min_micro_batch, "auto: no micro-batch is predicted to fit, so the smallest"
+                return self.sizing.floor, "auto: no micro-batch is predicted to fit, so the smallest"
             chosen = planner.prediction(self._setting(found), batch, shapes(batch))
         except NoPrediction:
             return total, f"auto: no prediction ({self._get_planner().untraceable(self._setting())}), {whole}"
@@ -1303,9 +1304,9 @@ class _Trainer:
         if self.dist is not None and streak >= THRASHING_STEPS:  # said at the exchange: every rank halves
             self._thrashing, self._retries = True, (retries, 0)
             return
-        if streak >= THRASHING_STEPS and self.auto_recover and self._micro_batch() > self.min_micro_batch:
+        if streak >= THRASHING_STEPS and self.auto_recover and self.sizing.can_halve(self._micro_batch()):
             current = self._micro_batch()
-            self.micro_batch = max(current // 2, self.min_micro_batch)
+            self.micro_batch = self.sizing.halved(current)
             self._retries = (retries, 0)
             self.session.emit(
                 "thrashing",
@@ -1357,7 +1358,7 @@ class _Trainer:
         """Each piece's weight units and their sum: its samples, or with `items` what its loss is a mean
         over (so the pieces' weighted losses add up to the global batch's mean, whatever the padding)."""
         if self.items is None:
-            counts = sizes(self.batch_size, size, self.min_micro_batch)
+            counts = self.sizing.cut(self.batch_size, size)
         else:
             counts = [self._count(piece) for piece in pieces]
         return counts, sum(counts)
@@ -1412,7 +1413,7 @@ class _Trainer:
             total_steps=total,
             micro_batch=self.micro_batch,
             batch_norm=self.buffers.batch_norms,
-            min_micro_batch=self.min_micro_batch,
+            min_micro_batch=self.sizing.floor,
             amp=self.precision.mode,
             checkpointing=self.checkpointing.enabled,
             checkpointing_how=self.checkpointing.how,

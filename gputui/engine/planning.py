@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from .. import plan
+from ..step.microbatch import sizes
 from ..telemetry.controls import AMP_MODES, Control
 from ..units import format_bytes
-from .microbatch import sizes
 
 FIT_AT = 0.9
 """A prediction fits below this share of a device's capacity: the margin covers what a trace cannot see

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gputui
-from gputui.engine.microbatch import sizes, split
 from gputui.engine.oom import Buffers
+from gputui.step.microbatch import sizes, split
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.describe import describe
 from gputui.tui.sources import LocalSource

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import gputui
-from gputui.engine.microbatch import token_weighted
+from gputui.step.microbatch import token_weighted
 
 
 def sgd(model):

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gputui.engine.microbatch import batch_size, split, to_device
+from gputui.step.microbatch import batch_size, split, to_device
 
 Pair = namedtuple("Pair", "x y")
 

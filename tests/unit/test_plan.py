@@ -22,8 +22,8 @@ from torch import nn
 
 import gputui
 from gputui import plan
-from gputui.engine.remedies import Checkpointing
 from gputui.probes.cpu import tensor_bytes
+from gputui.step.checkpointing import Checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demos"))
 import gpt as demo_gpt

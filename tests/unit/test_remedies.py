@@ -6,7 +6,8 @@ from helpers import ConvNet, RequestAt, Sink, TokenModel, assert_same_weights, c
 from torch import nn
 
 import gputui
-from gputui.engine.remedies import Checkpointing, Precision, find_blocks
+from gputui.step.checkpointing import Checkpointing, find_blocks
+from gputui.step.precision import Precision
 
 
 def test_find_blocks_prefers_the_heaviest_repeated_container():
