@@ -1,6 +1,18 @@
+from pathlib import Path
+
 import pytest
 
 from gputui.telemetry import hub as hubs
+
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Every integration test runs real processes: marked `process` here, once, for the fast lane
+    (`pytest -m "not process and not distributed"`)."""
+    for item in items:
+        if INTEGRATION in Path(item.path).parents:
+            item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture(autouse=True, scope="session")

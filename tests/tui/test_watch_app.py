@@ -231,6 +231,7 @@ def test_run_screen_polls_while_the_app_runs(monkeypatch):
     assert seen == [(0.25, True, 10.0), (2.0, True, 0.5)]
 
 
+@pytest.mark.process
 def test_never_imports_torch():
     code = "import sys, gputui.tui.watch_app; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.process  # each test imports in a fresh interpreter
+
 
 def modules_after(code: str) -> set[str]:
     out = subprocess.run(
@@ -47,7 +49,9 @@ def test_help_does_not_import_torch():
     assert "torch" not in loaded
 
 
-@pytest.mark.parametrize("module", ["gputui.engine.loop", "gputui.plan", "gputui.probes.device", "gputui.probes.cuda"])
+@pytest.mark.parametrize(
+    "module", ["gputui.engine.loop", "gputui.plan", "gputui.step.sizing", "gputui.probes.device", "gputui.probes.cuda"]
+)
 def test_engine_and_probes_never_import_textual(module):
     loaded = modules_after(f"import {module}")
     assert "torch" in loaded and "textual" not in loaded

@@ -3,6 +3,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from gputui import interrupts
 
 
@@ -31,6 +33,7 @@ def test_an_interrupt_lands_in_the_saving_thread_right_after_its_outermost_save(
     assert done == ["inner saved", "interrupted"]
 
 
+@pytest.mark.process
 def test_the_process_never_exits_mid_save(tmp_path):
     saved = tmp_path / "saved"
     code = textwrap.dedent(f"""

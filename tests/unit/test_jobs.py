@@ -53,6 +53,7 @@ def three_jobs(tmp_path, monkeypatch):
             sleeper.wait(10)
 
 
+@pytest.mark.process
 def test_the_ranks_of_a_job_are_listed_together_in_rank_order(three_jobs):
     out = io.StringIO()
     assert jobs.list_jobs(False, out) == 0
@@ -73,6 +74,7 @@ def test_the_ranks_of_a_job_are_listed_together_in_rank_order(three_jobs):
     ]
 
 
+@pytest.mark.process
 def test_attach_offers_each_rank_by_name(three_jobs, monkeypatch):
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     asked = []
