@@ -17,7 +17,6 @@ import atexit
 import gc
 import inspect
 import os
-import struct
 import time
 import warnings
 from collections.abc import Sequence
@@ -33,27 +32,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..telemetry.controls import ACTIONS, Control
+from ..telemetry.controls import Control
 from ..telemetry.sample import RankMemory
+from . import exchange
 from .result import FitError
 
-# The exchanged vector (summed over ranks): one slot per fact, then one per (action, value) request.
-HAS_BATCH, ITEMS, HAS_NEXT, FATAL, FATAL_OOM, FATAL_RANKS, INTERRUPTED, TERMINATED, REQUESTED = range(9)
-_STOPS = ((TERMINATED, "terminated"), (INTERRUPTED, "interrupted"), (REQUESTED, "requested"))
-_NOT_EXCHANGED = frozenset({"stop"})  # a slot of its own (REQUESTED)
-CONTROL_SLOTS: tuple[tuple[str, Any], ...] = tuple(
-    (action, value)
-    for action, values in ACTIONS.items()
-    if action not in _NOT_EXCHANGED
-    for value in (values if values is not None else (None,))
-)
-"""The controls every rank applies together, in this order (the same on every rank, so the same
-state on every rank after them)."""
-_FIRST_CONTROL = REQUESTED + 1
-_MASKED_RANKS = 62  # FATAL_RANKS names the failing ranks below this one (bits of an int64)
-_PER_RANK = 9  # slots each rank writes alone: micro-batch, its setting, batch, last step's peak, capacity,
-# loss and samples/s (a float64's bits), OOMs recovered, its allocator thrashing
-_NONE = 0x7FF80000DEADBEEF  # a float not known yet: a NaN no arithmetic makes (torch's NaN has no payload)
 _VERDICT_RANKS = 24  # the synced backward's verdict names the failing ranks below this one (float32 bits)
 
 UNUSED = (
@@ -306,73 +289,73 @@ class Distributed:
         thrashing: bool = False,
     ) -> Agreed:
         """The step's one collective before the synced backward; `items`: this rank's share of the
-        global batch's items (samples, unless fit counts items), None: no batch here. Each
-        rank also says its micro-batch (what it runs, and its setting: None for the whole batch) and its
-        last step's peak and capacity, in slots of its own (the others write zeros there)."""
-        first_rank = _FIRST_CONTROL + len(CONTROL_SLOTS)
-        vector = [0] * (first_rank + _PER_RANK * self.world_size)
-        mine = first_rank + _PER_RANK * self.rank
-        vector[mine : mine + _PER_RANK] = [
-            micro_batch or 0,
-            setting or 0,
-            batch or 0,
-            _known(peak),
-            _known(capacity),
-            _bits(loss),
-            _bits(samples_per_s),
-            ooms,
-            int(thrashing),
-        ]
-        vector[HAS_BATCH] = int(items is not None)
-        vector[ITEMS] = items or 0
-        vector[HAS_NEXT] = int(has_next)
-        if self.failure is not None:
-            vector[FATAL] = 1
-            vector[FATAL_OOM] = int(self.failure.oom)
-            vector[FATAL_RANKS] = 1 << self.rank if self.rank < _MASKED_RANKS else 0
-        for slot, reason in _STOPS:
-            vector[slot] = int(stop == reason)
+        global batch's items (samples, unless fit counts items), None: no batch here. Each rank also
+        says its micro-batch (what it runs, and its setting: None for the whole batch) and its last
+        step's peak and capacity, in a row of its own (exchange.py declares the vector)."""
         asked: dict[tuple[str, Any], list[Control]] = {}
         for control in self._outgoing:
-            if control.action == "stop":
-                vector[REQUESTED] = 1
-            else:
-                asked.setdefault((control.action, control.value), []).append(control)
+            asked.setdefault((control.action, control.value), []).append(control)
         self._outgoing = []
-        for i, key in enumerate(CONTROL_SLOTS):
-            vector[_FIRST_CONTROL + i] = len(asked.get(key, ()))
-        tensor = torch.tensor(vector, dtype=torch.int64, device=self.device)
+        failure = self.failure
+        job = {
+            "has_batch": items is not None,
+            "items": items,
+            "has_next": has_next,
+            "fatal": failure is not None,
+            "fatal_oom": failure is not None and failure.oom,
+            "fatal_ranks": 1 << self.rank if failure is not None and self.rank < exchange.MASKED_RANKS else 0,
+            **{reason: stop == reason for reason in exchange.STOPS},
+        }
+        job["requested"] = job["requested"] or bool(asked.pop(("stop", None), None))
+        mine = {
+            "micro_batch": micro_batch,
+            "setting": setting,
+            "batch": batch,
+            "peak": peak,
+            "capacity": capacity,
+            "loss": loss,
+            "samples_per_s": samples_per_s,
+            "ooms": ooms,
+            "thrashing": thrashing,
+        }
+        counts = [len(asked.get(key, ())) for key in exchange.CONTROLS]
+        tensor = torch.tensor(
+            exchange.encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64, device=self.device
+        )
         _collective(dist.all_reduce, tensor)
-        total = tensor.tolist()
-        for i, (action, value) in enumerate(CONTROL_SLOTS):
+        summed = exchange.decode(tensor.tolist(), self.world_size)
+        for (action, value), count in zip(exchange.CONTROLS, summed.controls, strict=True):
             local = asked.get((action, value), [])
-            others = total[_FIRST_CONTROL + i] - len(local)
+            others = count - len(local)
             self._agreed.extend(local + [Control(action, value, source="another rank") for _ in range(others)])
-        slots = [total[first_rank + _PER_RANK * r : first_rank + _PER_RANK * (r + 1)] for r in range(self.world_size)]
+        rows = summed.ranks
         self.ranks = tuple(
             RankMemory(
                 r,
-                micro,
-                None if peak_ < 0 else peak_,
-                None if cap < 0 else cap,
-                loss=_float(loss_),
-                samples_per_s=_float(rate),
-                ooms=ooms_,
+                row["micro_batch"],
+                row["peak"],
+                row["capacity"],
+                loss=row["loss"],
+                samples_per_s=row["samples_per_s"],
+                ooms=row["ooms"],
             )
-            for r, (micro, _, _, peak_, cap, loss_, rate, ooms_, _) in enumerate(slots)
+            for r, row in enumerate(rows)
         )
-        self.thrashing = [r for r, slot in enumerate(slots) if slot[8]]
+        self.thrashing = [r for r, row in enumerate(rows) if row["thrashing"]]
         self._resized = None
-        self._configured = [slot[1] for slot in slots]
-        self._batches = [slot[2] for slot in slots]
+        self._configured = [row["setting"] for row in rows]
+        self._batches = [row["batch"] for row in rows]
+        totals = summed.job
         return Agreed(
-            items=total[ITEMS],
-            all_have_batch=total[HAS_BATCH] == self.world_size,
-            all_have_next=total[HAS_NEXT] == self.world_size,
-            fatal=total[FATAL],
-            fatal_oom=total[FATAL_OOM],
-            fatal_ranks=[r for r in range(min(self.world_size, _MASKED_RANKS)) if total[FATAL_RANKS] >> r & 1],
-            stop=next((reason for slot, reason in _STOPS if total[slot]), None),
+            items=totals["items"],
+            all_have_batch=totals["has_batch"] == self.world_size,
+            all_have_next=totals["has_next"] == self.world_size,
+            fatal=totals["fatal"],
+            fatal_oom=totals["fatal_oom"],
+            fatal_ranks=[
+                r for r in range(min(self.world_size, exchange.MASKED_RANKS)) if totals["fatal_ranks"] >> r & 1
+            ],
+            stop=next((reason for reason in exchange.STOPS if totals[reason]), None),
         )
 
     def reached(self, roots: list[torch.Tensor]) -> set[int] | None:
@@ -446,21 +429,6 @@ class Distributed:
                 for b in group:
                     b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
                     offset += b.numel()
-
-
-def _bits(value: float | None) -> int:
-    """A float for the exchange: its float64 bits as an int64 (the others write 0 in its slot, so the
-    sum is those bits exactly, whatever the value: 1e13, inf, NaN); _NONE where unknown."""
-    return _NONE if value is None else struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def _float(bits: int) -> float | None:
-    return None if bits == _NONE else struct.unpack("<d", struct.pack("<q", bits))[0]
-
-
-def _known(value: int | None) -> int:
-    """A byte count for the exchange: -1 where unknown (0 is a count)."""
-    return -1 if value is None else int(value)
 
 
 def _collective(op: Any, *args: Any) -> None:
