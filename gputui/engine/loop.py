@@ -30,7 +30,7 @@ from ..telemetry.sample import Memory
 from ..telemetry.setup import MetricsSink, for_process
 from ..units import format_bytes
 from .deferred import DeferredLoss
-from .microbatch import batch_size, shapes, sizes, split, to_device
+from .microbatch import batch_size, shapes, sizes, split, tensors, to_device
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
 from .remedies import Checkpointing, Precision
@@ -663,7 +663,9 @@ class _Trainer:
                 size = self._micro_batch()
                 if self.tracker is not None:  # what this step saves for backward depends on these alone
                     self._shapes = shapes(batch)
-                    self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, self._shapes))
+                    self.tracker.start_step(
+                        (size, self.precision.mode, self.checkpointing.enabled, self._shapes), tensors(batch)
+                    )
                 self.probe.start_step()
                 oom = self._attempt(batch, size, self._baseline)
                 if oom is None:
@@ -774,7 +776,9 @@ class _Trainer:
         count = d.passes(self.micro_batch)
         size = -(-total // count)
         if self.tracker is not None:
-            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+            self.tracker.start_step(
+                (size, self.precision.mode, self.checkpointing.enabled, shapes(batch)), tensors(batch)
+            )
         self.probe.start_step()
         pieces = split(batch, size, total, self.min_micro_batch)
         real = len(pieces)
@@ -842,7 +846,9 @@ class _Trainer:
         total = self.batch_size
         size = self._micro_batch()
         if self.tracker is not None:
-            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+            self.tracker.start_step(
+                (size, self.precision.mode, self.checkpointing.enabled, shapes(batch)), tensors(batch)
+            )
         self.probe.start_step()
         pieces = split(batch, size, total, self.min_micro_batch)
         count = len(pieces)
