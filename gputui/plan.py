@@ -485,6 +485,7 @@ class _Trace:
         model, optimizer = self.model, self.optimizer
         params = list(model.parameters())
         param_keys = {_key(p) for p in params}
+        batch_keys = {_key(t) for t in tensors(self.batch)}
         count = len(cut)
         counter.gradients, counter.grads_seen = 0, set()
         pieces = split(self.batch, size, total, min_micro_batch)
@@ -500,8 +501,9 @@ class _Trace:
             def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
                 key = _key(t)
                 if key not in param_keys and key not in saved:
-                    saved[key] = t.untyped_storage().nbytes()
                     counter.mark_saved(t)  # not a parameter's storage: those are counted as parameters
+                    if key not in batch_keys:  # the tracker's count: the batch's storages were there before the step
+                        saved[key] = t.untyped_storage().nbytes()
                 return t.detach()  # as the tracker's pack: an output saved by its own grad_fn makes no cycle
 
             counter.note_inputs = lambda args, pack=pack: [pack(a) for a in args if isinstance(a, torch.Tensor)]

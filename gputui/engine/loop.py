@@ -26,7 +26,7 @@ from torch import nn
 
 from ..probes.cpu import CpuProbe
 from ..step.checkpointing import Checkpointing
-from ..step.microbatch import batch_size, shapes, to_device, token_weighted
+from ..step.microbatch import batch_size, shapes, tensors, to_device, token_weighted
 from ..step.precision import Precision
 from ..step.sizing import Sizing
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES, Control
@@ -674,7 +674,9 @@ class _Trainer:
                 size = self._micro_batch()
                 if self.tracker is not None:  # what this step saves for backward depends on these alone
                     self._shapes = shapes(batch)
-                    self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, self._shapes))
+                    self.tracker.start_step(
+                        (size, self.precision.mode, self.checkpointing.enabled, self._shapes), tensors(batch)
+                    )
                 self.probe.start_step()
                 oom = self._attempt(batch, size, self._baseline)
                 if oom is None:
@@ -793,7 +795,9 @@ class _Trainer:
         count = d.passes(self.micro_batch)
         size = -(-total // count)
         if self.tracker is not None:
-            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+            self.tracker.start_step(
+                (size, self.precision.mode, self.checkpointing.enabled, shapes(batch)), tensors(batch)
+            )
         self.probe.start_step()
         pieces = self.sizing.split(batch, size, total)
         real = len(pieces)
@@ -874,7 +878,9 @@ class _Trainer:
 
         size = self._micro_batch()
         if self.tracker is not None:
-            self.tracker.start_step((size, self.precision.mode, self.checkpointing.enabled, shapes(batch)))
+            self.tracker.start_step(
+                (size, self.precision.mode, self.checkpointing.enabled, shapes(batch)), tensors(batch)
+            )
         self.probe.start_step()
         pieces = self.sizing.split(batch, size, self.batch_size)
         count = len(pieces)

@@ -6,6 +6,11 @@ optimizer state and the activations autograd saves for backward (through
 from inside forward, backward or the optimizer step: the same exception, at the same places,
 as a GPU running out, so the whole recovery path runs on any machine.
 
+Activations are storage the step made: a saved tensor whose storage was there before the step (a
+parameter, the batch, a data set held as one tensor that the batch is a slice of) is held whatever
+the micro-batch, so counting it would only make a small budget fit no sample at all. On a device,
+what moving a piece of the batch there made is the step's, and counts.
+
 Counting saved activations costs a Python call per saved tensor (~5 us). Without a budget, nothing
 depends on the count mid-step, so a step shaped like one counted less than RECOUNT_S ago (same
 micro-batch, AMP, checkpointing, batch shapes and optimizer state: the same tensors are saved) is
@@ -83,6 +88,7 @@ class StateTracker:
         self._optimizer_entries = -1
         self.activations = 0
         self._saved: set[int] = set(self._param_keys)
+        self._inputs: set[int] = set()  # the storages of the step's batch: there before it, not its activations
         self.peak = 0
         self.counting = True  # the step under way counts its saved activations
         self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
@@ -129,7 +135,7 @@ class StateTracker:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """The saved-tensors pack hook: count `t`'s storage once."""
         ptr, size = storage_key(t)
-        if ptr not in self._saved:
+        if ptr not in self._saved and ptr not in self._inputs:
             self._saved.add(ptr)
             self.activations += size
             self._grow("forward", size)
@@ -201,14 +207,17 @@ class StateTracker:
             self._free_activations()
         self.sync_grads()
 
-    def start_step(self, shape: Hashable | None = None) -> None:
+    def start_step(self, shape: Hashable | None = None, inputs: Iterable[torch.Tensor] = ()) -> None:
         """A step (or a retry of one) begins; `shape`: what its saved activations depend on, if the
-        caller knows (see the module doc). Decides whether this step counts them."""
+        caller knows (see the module doc); `inputs`: its batch's tensors, whose storages (a data set
+        the batch was sliced from, say) are not its activations. Decides whether this step counts them."""
         now = time.monotonic()
         shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted
         self.counting = self.budget is not None or shape is None or shape != last_shape or now - last_start >= RECOUNT_S
         self._shape, self._started = (shape, now) if self.counting else (None, 0.0)
+        if self.counting:
+            self._inputs = {storage_key(t)[0] for t in inputs}
         self.peak = self.total if self.counting else max(self.total, last_peak)
 
     def breakdown(self) -> dict[str, int]:

@@ -1,18 +1,21 @@
 """The script's own output, as a terminal would show it: whole lines, and the one being written.
 
 It lives in the hub (`hub.output`), written by whatever captures the script's streams (the TUI's
-print capture and its pipe for what C code writes, or headless `gputui run`'s tee), read by the
-socket server for attach clients, and replayed into the TUI's own log (a local run's or an
-attached job's). Everything kept is already made inert (`printable()`): no escape sequence or
+print capture and its pipe for what C code writes, both bytes through a LineWriter, or headless
+`gputui run`'s tee), read by the socket server for attach clients, and replayed into the TUI's own
+log (a local run's or an attached job's). Everything kept is already made inert (`printable()`): no escape sequence or
 control byte reaches a terminal or a socket.
 """
 
 from __future__ import annotations
 
+import codecs
+import io
 import itertools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .printable import printable
 
@@ -101,3 +104,56 @@ class OutputLog:
         lines, _ = self.since(max(0, self.total - count))
         current = self.current
         return (lines + [current])[-count:] if current else lines
+
+
+class LineWriter(io.BufferedIOBase):
+    """The binary side of the script's captured output (`sys.stdout.buffer` under the TUI, and the
+    pipe C code writes into): bytes decoded as the terminal would (UTF-8, a character split between
+    writes joined up), passed to `sink` a line at a time, so two streams' lines never splice. A line
+    waits for its end ("\\n", or a progress bar's "\\r") or a flush, as at a terminal, but never past
+    what the log keeps of a line (_RAW characters): then what there is goes on and the log cuts it,
+    so a megabyte written without a newline is never held whole."""
+
+    def __init__(self, sink: Callable[[str], None], fd: int = -1, name: str = "") -> None:
+        super().__init__()
+        self._sink, self._fd, self.name = sink, fd, name
+        self._split = b""  # the start of a character the next write ends
+        self._lock = threading.Lock()  # the script's threads may write at once, as to Python's own streams
+        self.held = ""  # the line so far, waiting for its end
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:  # faulthandler, subprocess: the pipe behind it
+        if self._fd < 0:
+            raise io.UnsupportedOperation("fileno")
+        return self._fd
+
+    def write(self, data: Any) -> int:
+        if type(data) is not bytes:
+            data = bytes(memoryview(data))  # text or a number: TypeError, as from any binary stream
+        size = len(data)
+        with self._lock:
+            if self._split:
+                data = self._split + data
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._split = data[used:]
+            if self.held:
+                text = self.held + text
+            end = max(text.rfind("\n"), text.rfind("\r")) + 1
+            if len(text) - end > _RAW:
+                end = len(text)
+            self.held = text[end:]
+            if end:
+                self._sink(text[:end])
+        return size
+
+    def flush(self) -> None:
+        super().flush()  # ValueError once closed, as any stream
+        with self._lock:
+            if self.held:
+                text, self.held = self.held, ""
+                self._sink(text)

@@ -23,6 +23,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import TextIO
+
+from ..telemetry.output import LineWriter
 
 
 def _report_lost() -> None:
@@ -76,29 +79,46 @@ def _watch(fd: int, wake: int) -> None:
         _report_lost()
 
 
-class _Printed(io.TextIOBase):
-    """sys.stdout or sys.stderr while the screen owns the terminal: each write goes to the log as it
-    comes, a progress bar's carriage returns included (the pipe's reader sees whole lines only)."""
+READ = 65536
+"""Bytes the pump reads from the pipe at once: with what its LineWriter holds, the most of a line it keeps."""
 
-    def __init__(self, sink: Callable[[str], None], fd: int, encoding: str) -> None:
-        self._sink, self._fd, self._encoding = sink, fd, encoding
 
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self._encoding
+def captured_stream(sink: Callable[[str], None], fd: int, stream: TextIO | None) -> io.TextIOWrapper:
+    """sys.stdout or sys.stderr (`stream`, whose encoding, errors and line buffering it keeps) while
+    the screen owns the terminal: a text stream over a binary one, as Python's own, so `buffer`,
+    `reconfigure()` and `fileno()` (the pipe) work; every write goes on as it is made
+    (write_through), so text and `buffer` bytes keep their order, and lines reach `sink` whole."""
+    name = "<stdout>" if fd == 1 else "<stderr>"
+    return io.TextIOWrapper(
+        LineWriter(sink, fd, name),
+        encoding=getattr(stream, "encoding", None) or "utf-8",
+        errors=getattr(stream, "errors", None) or "strict",
+        line_buffering=bool(getattr(stream, "line_buffering", False)),
+        write_through=True,
+    )
 
-    def writable(self) -> bool:
-        return True
 
-    def write(self, text: str) -> int:
-        self._sink(text)
-        return len(text)
+QUIET = 0.1
+"""Seconds the pipe may stay quiet before the end of a line in it is shown as it stands: a progress bar
+that C code redraws with "\\r" (nothing flushes the pipe's end of a line as `print(flush=True)` does)."""
 
-    def fileno(self) -> int:  # faulthandler, subprocess: the pipe behind it
-        return self._fd
 
-    def isatty(self) -> bool:
-        return False
+def pump(fd: int, lines: LineWriter) -> None:
+    """What C code writes to fds 1 and 2, from the pipe into `lines` as it comes, until every write
+    end is closed; then `fd` is closed. LineWriter bounds what waits for a newline."""
+    ready = select.poll()
+    ready.register(fd, select.POLLIN)
+    try:
+        while True:
+            if lines.held and not ready.poll(QUIET * 1000):
+                lines.flush()
+            data = os.read(fd, READ)
+            if not data:
+                break
+            lines.write(data)
+        lines.flush()
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -116,20 +136,16 @@ def captured_output(sink: Callable[[str], None]) -> Iterator[Terminal]:
     os.dup2(write_end, 2)
     os.close(write_end)
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = (
-        _Printed(sink, fd, getattr(s, "encoding", None) or "utf-8") for fd, s in zip((1, 2), streams, strict=True)
-    )
-
-    def pump() -> None:
-        with open(read_end, encoding="utf-8", errors="replace", closefd=True) as pipe:
-            for line in pipe:
-                sink(line)
-
-    reader = threading.Thread(target=pump, name="gputui-output", daemon=True)
+    captured = captured_stream(sink, 1, streams[0]), captured_stream(sink, 2, streams[1])
+    sys.stdout, sys.stderr = captured
+    reader = threading.Thread(target=pump, args=(read_end, LineWriter(sink)), name="gputui-output", daemon=True)
     reader.start()
     try:
         yield terminal
     finally:
+        for stream in captured:  # the end of a line the script wrote without one
+            with contextlib.suppress(Exception):
+                stream.flush()
         sys.stdout, sys.stderr = streams
         os.dup2(terminal.fds[0], 0)
         os.dup2(terminal.fds[1], 1)  # the pipe's last write ends close here: the reader sees EOF

@@ -55,7 +55,7 @@ def train(compiled, checkpointing, budget):
 
 cases = []
 for checkpointing in (False, True):
-    for budget in (None, "10KiB"):  # 10 KiB: a micro-batch of 16 does not fit, with or without checkpointing
+    for budget in (None, "8KiB"):  # 8 KiB: a micro-batch of 16 does not fit, with or without checkpointing
         reference, expected = train(False, checkpointing, budget)
         torch._dynamo.reset()
         with warnings.catch_warnings(record=True) as caught:
@@ -82,9 +82,9 @@ def test_a_compiled_model_trains_through_fit_without_recompiles_or_warnings(tmp_
     cases = json.loads((tmp_path / "cases.json").read_text())
     assert [(c["checkpointing"], c["budget"]) for c in cases] == [
         (False, None),
-        (False, "10KiB"),
+        (False, "8KiB"),
         (True, None),
-        (True, "10KiB"),
+        (True, "8KiB"),
     ]
     for case in cases:
         assert case["warnings"] == [] and case["steps"] == 3, case

@@ -1,4 +1,4 @@
-"""Signals, dying terminals, stdin and saves, on real processes in real pseudo-terminals.
+"""Signals, dying terminals, stdin, stdout and saves, on real processes in real pseudo-terminals.
 
 Each run ends as headless would: the fit stops after its step, the script's save runs, the
 metrics file gets its end record, the socket goes, and the process exits with the script's code.
@@ -17,6 +17,10 @@ import threading
 import time
 
 import pytest
+from helpers import socket_of
+
+from gputui.telemetry.client import Connection
+from gputui.telemetry.output import LINE_LIMIT
 
 TRAIN = """
 import sys, time
@@ -488,3 +492,41 @@ def test_two_stops_while_the_screen_is_made_end_the_run_before_the_script_starts
     assert run.exit_code() == 128 + signal.SIGTERM
     assert not os.path.exists(f"{run.out}.started"), "the script never started: a second stop is at once"
     assert_terminal_given_back(run)
+
+
+STREAMS = """
+import os, sys, time
+
+sys.stdout.reconfigure(line_buffering=True, encoding="utf-8")
+print("text before")
+sys.stdout.buffer.write(b"bytes between\\n")
+sys.stdout.write("text after\\n")
+sys.stderr.buffer.write("stderr bytes \\u00e9\\n".encode())
+out = sys.stdout
+print(out.encoding, out.errors, out.line_buffering, out.fileno(), out.isatty(), out.buffer.fileno())
+os.write(1, b"B" * 2**20)  # as C code would: a megabyte, no newline
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+os.write(1, b"\\nfd done\\n")
+"""
+
+
+def test_the_scripts_streams_in_the_tui_are_text_over_bytes_and_fd_1_is_not_held_for_a_newline(tmp_path, env, tui):
+    path = tmp_path / "streams.py"
+    path.write_text(STREAMS)
+    run = tui(path)
+    lines = []
+    with Connection(socket_of(env, run.pid), timeout=60) as conn:
+        while (record := conn.read()) is not None:
+            lines += record["lines"] if record["kind"] == "output" else []
+            if record["kind"] == "output" and record["current"].startswith("B"):
+                break
+        assert record is not None, f"the job ended: {lines}; screen: {run.text()}"
+        assert lines == ["text before", "bytes between", "text after", "stderr bytes é", "utf-8 strict True 1 False 1"]
+        assert record["current"] == "B" * LINE_LIMIT + "…", "shown as it comes, cut as a print's line is"
+        run.out.touch()
+        while "fd done" not in lines and (record := conn.read()) is not None:
+            lines += record["lines"] if record["kind"] == "output" else []
+    assert lines[-2:] == ["B" * LINE_LIMIT + "…", "fd done"]
+    os.write(run.master, b"q")
+    assert run.exit_code() == 0

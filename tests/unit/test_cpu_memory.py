@@ -126,3 +126,40 @@ def test_with_a_budget_every_step_counts(monkeypatch):
     x = torch.randn(4, 8)
     assert [tracked_step(t, model, opt, x, ("same",))[0] for _ in range(3)] == [True, True, True]
     t.close()
+
+
+def sliced_data(width=512):
+    """A data set held as one tensor (1,280 samples, 2.5 MiB) cut into 64-sample batches by slicing,
+    as small scripts do: every batch is a view of it."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1280, width, generator=g), torch.randn(1280, 1, generator=g)
+    return x, [(x[i : i + 64], y[i : i + 64]) for i in range(0, 1280, 64)]
+
+
+def mse_step(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("micro_batch", [1, None])
+def test_a_data_set_sliced_into_batches_is_not_counted_as_the_steps_activations(hub, micro_batch):
+    data, batches = sliced_data()
+    model = nn.Sequential(nn.Linear(512, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = gputui.fit(model, batches, mse_step, opt, micro_batch=micro_batch, memory_budget="2MiB")
+    assert result.steps == 20 and result.ooms_recovered == 0
+    params = sum(p.numel() * 4 for p in model.parameters())
+    peak = max(s.memory.peak for s in hub.samples())
+    assert peak - 2 * params < data.nbytes / 10, "parameters, gradients and the step's own activations"
+
+
+def test_activations_a_step_makes_from_a_sliced_data_set_still_count(hub):
+    _, batches = sliced_data()
+    model = nn.Sequential(nn.Linear(512, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def wide_step(model, batch):  # saves 64 x 16,384 floats (4 MiB) at micro-batch 64, 64 KiB at 1
+        return model(batch[0]).repeat(1, 16384).exp().mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = gputui.fit(model, batches[:3], wide_step, opt, memory_budget="2MiB")
+    assert result.ooms_recovered >= 1 and result.micro_batch is not None and result.micro_batch < 64
+    assert result.steps == 3

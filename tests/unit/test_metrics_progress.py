@@ -61,7 +61,7 @@ def test_metrics_file_schema(tmp_path):
     assert steps[0]["samples_per_s"] is None and steps[-1]["samples_per_s"] > 0
     events = [x for x in lines if x["kind"] == "event"]
     assert events and all({"v", "t", "step", "name"} <= set(e) for e in events)
-    assert events[0]["name"] == "oom_recovered" and (events[0]["micro_batch"], events[0]["micro_batch_to"]) == (4, 2)
+    assert events[0]["name"] == "oom_recovered" and (events[0]["micro_batch"], events[0]["micro_batch_to"]) == (4, 3)
     assert lines[-1]["steps"] == 4 and lines[-1]["error"] is None
 
 

@@ -1,7 +1,9 @@
 """The script's output through the hub and over a real socket: lines in order, progress bars as one
 line, escape sequences gone, the recent lines in the welcome, a flood bounded and said so."""
 
+import io
 import os
+import threading
 import time
 
 import pytest
@@ -9,11 +11,12 @@ import pytest
 from gputui.telemetry import server as server_module
 from gputui.telemetry.client import Connection, Mirror, checked
 from gputui.telemetry.hub import Hub
-from gputui.telemetry.output import LINE_LIMIT, OutputLog
+from gputui.telemetry.output import LINE_LIMIT, LineWriter, OutputLog
 from gputui.telemetry.protocol import ProtocolError
 from gputui.telemetry.server import OUTPUT_CHARS, OUTPUT_LINES, RECENT_OUTPUT, TelemetryServer
 from gputui.tui.remote import RemoteSource
 from gputui.tui.sources import LocalSource
+from gputui.tui.terminal import READ, captured_stream, pump
 
 
 @pytest.fixture(autouse=True)
@@ -217,3 +220,82 @@ def test_a_local_source_brings_the_hubs_output_and_says_what_it_missed():
     update = source.poll()
     assert update.output[0] == "… 6 lines not shown (printed faster than the screen reads)"
     assert update.current == "" and update.output[-1] == str(hub.output.lines.maxlen + 4)
+
+
+def test_a_line_written_without_a_newline_is_held_no_longer_than_the_log_keeps_it():
+    log = OutputLog()
+    lines = LineWriter(log.write)
+    held = 0
+    for _ in range(16):  # 16 MB on one line, as os.write(1, b"B" * 2**20) a step writes it
+        lines.write(b"B" * 2**20)
+        held = max(held, len(lines.held))
+    assert held <= 2 * LINE_LIMIT, "never the line whole"
+    assert log.current == "B" * LINE_LIMIT + "…", "shown as it comes, cut as a print's line is"
+    lines.write(b"\nnext\n")
+    assert list(log.lines) == ["B" * LINE_LIMIT + "…", "next"] and lines.held == ""
+
+
+def test_lines_pass_whole_a_character_split_between_writes_joins_and_a_flush_sends_the_rest():
+    written = []
+    lines = LineWriter(written.append)
+    for piece in (b"epoch 1: ", "loss é".encode()[:-1], "é".encode()[-1:], b"\n", b"\r 50%\r", b"100%\rtail"):
+        lines.write(piece)
+    assert written == ["epoch 1: loss é\n", "\r 50%\r", "100%\r"] and lines.held == "tail"
+    lines.flush()
+    assert written[-1] == "tail" and lines.held == ""
+
+
+def test_the_pump_reads_the_pipe_as_it_comes_and_holds_a_bounded_piece_of_a_line():
+    log = OutputLog()
+    lines = LineWriter(log.write)
+    held, write = [], lines.write
+
+    def watched(data):
+        n = write(data)
+        held.append(len(data) + len(lines.held))
+        return n
+
+    lines.write = watched
+    read_end, write_end = os.pipe()
+    reader = threading.Thread(target=pump, args=(read_end, lines))
+    reader.start()
+    for _ in range(8):
+        os.write(write_end, b"B" * 2**20)  # C code writing a megabyte a step, never a newline
+    until(lambda: log.current == "B" * LINE_LIMIT + "…", what=lambda: log.current[:20])
+    os.write(write_end, b"\n\r 50%")  # a progress bar: shown once nothing more comes for a moment
+    until(lambda: log.current == " 50%", what=lambda: log.current[:20])
+    os.write(write_end, b"\r100%\nC code's last line")
+    os.close(write_end)  # the pump reads to the end, passes on the unfinished line and closes its end
+    reader.join(timeout=10)
+    assert not reader.is_alive() and max(held) <= READ + 2 * LINE_LIMIT
+    assert list(log.lines) == ["B" * LINE_LIMIT + "…", "100%"] and log.current == "C code's last line"
+    with pytest.raises(OSError):
+        os.fstat(read_end)
+
+
+def test_the_captured_stream_is_a_text_stream_over_bytes_as_pythons_own_is():
+    log = OutputLog()
+    original = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", line_buffering=True)
+    out = captured_stream(log.write, 1, original)
+    assert (out.encoding, out.errors, out.line_buffering, out.fileno(), out.isatty()) == (
+        "utf-8",
+        "strict",
+        True,
+        1,
+        False,
+    )
+    assert out.buffer.fileno() == 1 and out.name == "<stdout>" and out.writable()
+    print("text", end=" ", file=out)
+    out.buffer.write(b"then bytes")  # in order with the text: every write goes on as it is made
+    print(", then text", file=out)
+    out.reconfigure(line_buffering=False, encoding="latin-1")
+    assert (out.encoding, out.line_buffering) == ("latin-1", False)
+    out.write("caf\xe9\n")  # latin-1 bytes, shown as a UTF-8 terminal shows them
+    out.buffer.write("naïve\n".encode())
+    assert list(log.lines) == ["text then bytes, then text", "caf\ufffd", "naïve"]
+    out.write("no newline yet")
+    assert log.current == ""
+    out.flush()
+    assert log.current == "no newline yet"
+    with pytest.raises(TypeError):
+        out.buffer.write("text to a binary stream")
