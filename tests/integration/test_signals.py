@@ -129,7 +129,7 @@ class Tui:
         saved = torch.load(self.out)
         assert saved["stopped"] == stopped and saved["steps"] == end["steps"] and saved["big"].sum() == 1 << 20
         assert os.listdir(self.sockets) == [], "the socket is removed"
-        assert not [p for p in os.listdir(self.out.parent) if p.endswith(".tmp")]
+        assert not [p for p in os.listdir(self.out.parent) if p.endswith("gputui-tmp")]
 
 
 @pytest.fixture
@@ -284,7 +284,7 @@ def assert_saved_whole(out):
 
     saved = torch.load(out, weights_only=False)  # the test's own file: "slow" pickles as str("slow")
     assert saved["slow"] == "slow" and saved["big"].sum() == 1 << 20
-    assert [p for p in os.listdir(out.parent) if p.endswith(".tmp")] == []
+    assert [p for p in os.listdir(out.parent) if p.endswith("gputui-tmp")] == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
