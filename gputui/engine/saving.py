@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import interrupts
+from ..telemetry.hub import current
 from ..telemetry.paths import pid_alive
 
 TEMP_SUFFIX = ".gputui-tmp"
@@ -42,11 +43,15 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
+                size = f.tell()
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+    hub = current()
+    if hub is not None:  # the exit summary lists what was saved
+        hub.note_saved(path, size)
 
 
 def _host() -> str:

@@ -198,6 +198,19 @@ def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tu
     run.assert_ended_cleanly("requested")
 
 
+def test_the_tui_prints_the_runs_summary_once_it_has_given_the_terminal_back(tmp_path, tui):
+    run = tui(write_script(tmp_path))
+    run.wait_steps(3)
+    os.write(run.master, b"qq")  # quit, yes: the fit stops after its step, the script saves
+    assert run.exit_code() == 3
+    run.wait_for(run.closed.is_set)
+    after = run.screen[run.screen.rfind(b"\x1b[?1049l") :].decode()  # on the terminal, the screen gone
+    steps = run.records()[-1]["steps"]
+    assert f"gputui: stopped (requested): {steps} steps, {8 * steps} samples in " in after, after
+    assert "; micro-batch 8, amp off, checkpointing off" in after
+    assert f"gputui: saved {run.out} (" in after
+
+
 def test_headless_keeps_stdin(tmp_path, env):
     path = tmp_path / "echo.py"
     path.write_text("import sys\nprint('got', sys.stdin.read())\n")

@@ -9,7 +9,9 @@ from helpers import ConvNet, conv_batches, conv_step
 import gputui
 from gputui.telemetry.describe import describe
 from gputui.telemetry.jsonl import MetricsFile
-from gputui.telemetry.progress import ProgressLine
+from gputui.telemetry.progress import ProgressLine, closing_lines
+from gputui.telemetry.run import RunInfo, RunSummary
+from gputui.units import format_bytes
 
 STEP_KEYS = {
     "v",
@@ -197,3 +199,19 @@ def test_a_plan_whose_rows_are_still_coming_is_printed_once_whole():
     line.on_event(Event("plan", 2, {**details, "complete": False}))
     line.on_event(Event("plan", 3, {**details, "complete": True}))
     assert out.getvalue() == "gputui: step 3 | plan: no remedy applies\n"
+
+
+def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_path):
+    """What the TUI prints as it closes, in headless's words."""
+    hub.start(RunInfo(mode="fit"))
+    ended = dict(steps=5, samples=80, micro_batch=8, loss=0.5, amp="bf16", checkpointing=True, elapsed_s=2.0)
+    hub.end(RunSummary(**ended, stopped="requested", ooms_recovered=1))
+    hub.start(RunInfo(mode="observe"))  # an own loop prints its own: no line of ours
+    hub.end(RunSummary(steps=3))
+    path = tmp_path / "ck.pt"
+    gputui.save({"w": torch.ones(4)}, path)
+    assert closing_lines(hub) == [
+        "gputui: stopped (requested): 5 steps, 80 samples in 2.0s; last loss 0.5; micro-batch 8, amp bf16, "
+        "checkpointing on, 1 OOM(s) recovered",
+        f"gputui: saved {path} ({format_bytes(path.stat().st_size)})",
+    ]
