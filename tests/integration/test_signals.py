@@ -348,7 +348,7 @@ def test_a_second_signal_in_the_tui_stops_the_script_once_its_save_is_whole(tmp_
 def test_a_forced_quit_waits_for_the_save(tmp_path, tui):
     run, go = held_save(tmp_path, tui)
     os.write(run.master, b"q")  # asks: the script is running
-    run.wait_for(lambda: b"Stop after the current step" in run.screen)
+    run.wait_for(lambda: b"Stop it and quit?" in run.screen)
     os.write(run.master, b"q")  # yes
     run.wait_for(lambda: b"q again" in run.screen)
     os.write(run.master, b"q")  # at once
