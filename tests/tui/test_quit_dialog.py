@@ -35,13 +35,15 @@ async def test_an_own_loop_is_told_it_gets_a_keyboard_interrupt(own_loop_app):
         await pilot.press("n")
 
 
-async def test_asked_before_the_run_starts_the_dialog_says_so_then_what_fit_does(make_app):
-    app = make_app(extra="**{} if time.sleep(1.5) else {}")  # fit starts 1.5 s late: imports, data loading
+async def test_asked_before_the_run_starts_the_dialog_says_so_then_what_fit_does(make_app, tmp_path):
+    go = tmp_path / "go"  # fit starts once the test says: imports, data loading
+    ready = f"lambda: __import__('os').path.exists({str(go)!r})"
+    app = make_app(extra=f"**{{}} if [time.sleep(0.01) for _ in iter({ready}, True)] else {{}}")
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: any("script started" in line for line in app.output.lines))
         await pilot.press("q")
         assert asked(app).startswith("Training has not started yet.")
-        await until(pilot, lambda: app.view.info is not None)
+        go.touch()
         await until(pilot, lambda: "your save happens" in asked(app))  # the open dialog follows the run
         assert asked(app).startswith("Training is running. Stop after the current step and quit?")
         await pilot.press("n")
