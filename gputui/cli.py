@@ -220,6 +220,18 @@ def _run(options: argparse.Namespace) -> int:
             # would only interrupt the cleanup, leaving a stale socket and printing our own traceback.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
+            if options.headless:
+                _say_saved(hub)
+
+
+def _say_saved(hub: Any) -> None:
+    """Headless, the files gputui.save wrote, once the script has ended (the TUI says them as it closes)."""
+    from .telemetry.progress import saved_line
+
+    line = saved_line(hub.saved)
+    if line is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed stdout: the files are there all the same
+            print(line, flush=True)
 
 
 def _torchrun(options: argparse.Namespace) -> int:

@@ -233,11 +233,15 @@ def parse_ctl(words: list[str]) -> tuple[str, Any]:
 
 
 def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
-    """Send one control and say what the job applied; 0 applied, 1 refused or not applied in time."""
+    """Send one control and say what the job applied; 0 applied, 1 refused, not applied in time, or
+    never to be: the run ended first (or had, with the script still running: no boundary is coming)."""
     action, value = parse_ctl(words)
     with connect(job, control=True) as conn:
         try:
-            conn.welcome()
+            ended = (conn.welcome().hello or {}).get("summary")
+            if ended is not None:
+                out.write(_ended(job, ended) + "\n")
+                return 1
             ack = _acked(conn, conn.request(action, value))
             if action == "stop":  # applied after the current step; the job then ends
                 out.write(f"job {job.pid}: stop requested; it stops after the current step\n")
@@ -251,11 +255,24 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
             "waiting elsewhere?); it applies at the next step boundary\n"
         )
         return 1
+    if answer["kind"] != "event":
+        out.write(_ended(job, answer.get("summary")) + "\n")
+        return 1
     event = Event.from_json(answer)
     out.write(f"job {job.pid}: after step {event.step}: {describe(event)}\n")
     if event.name == "plan":
         out.writelines(line + "\n" for line in plan_lines(event))
     return 1 if event.name == "control_refused" else 0
+
+
+def _ended(job: Job, summary: dict[str, Any] | None) -> str:
+    """No boundary will apply the request: the job's run ended (its end record's `summary`), or the job
+    closed the connection without one."""
+    if summary is None:
+        return f"job {job.pid} ended before applying it (the connection closed without its final record)"
+    s = RunSummary.from_json(summary)
+    how = f"stopped: {s.stopped}" if s.stopped else f"failed: {s.error}" if s.error else "finished"
+    return f"job {job.pid}: its run ended before applying it ({how}, after step {s.steps})"
 
 
 def _acked(conn: Connection, ident: int) -> dict[str, Any]:

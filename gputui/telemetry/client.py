@@ -475,7 +475,9 @@ class Mirror:
 
 
 def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[str, Any] | None:
-    """Read records until the event that answers `request_id` (or None after `timeout` s)."""
+    """Read records until the event that answers `request_id`, or what says it never will: the run's
+    `end` record (a request is over with its run), or `{"kind": "closed"}` (the job closed the connection
+    without one); None after `timeout` s."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         conn.settimeout(left)
@@ -484,7 +486,7 @@ def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[s
         except TimeoutError:
             return None
         if record is None:
-            return None
-        if record["kind"] == "event" and record.get("request_id") == request_id:
+            return {"kind": "closed"}
+        if record["kind"] == "end" or (record["kind"] == "event" and record.get("request_id") == request_id):
             return record
     return None

@@ -78,6 +78,8 @@ class Hub:
         self.summary: RunSummary | None = None
         self._closers: list[Callable[[], None]] = []
         self.runs = 0
+        self.ended: list[tuple[RunInfo, RunSummary]] = []  # every run's start and end records, in order
+        self.saved: dict[str, int] = {}  # path -> bytes: what gputui.save wrote, for the closing summary
         # "terminated"/"interrupted": a signal asked the run to stop while the script trains in
         # another thread than the handler's (the TUI's). A plain write: a handler takes no lock.
         self.stop_signal: str | None = None
@@ -131,7 +133,13 @@ class Hub:
     def end(self, summary: RunSummary) -> None:
         with self._lock:
             self.summary = summary
+            if self.info is not None:
+                self.ended.append((self.info, summary))
         self._call("on_end", summary)
+
+    def note_saved(self, path: str, size: int) -> None:
+        """gputui.save wrote `size` bytes to `path` (the last save of a path counts)."""
+        self.saved[path] = size
 
     def publish_gpus(self, reading: GpuReading) -> None:
         """The newest reading of every GPU: readers take the latest (one attribute write, no lock),

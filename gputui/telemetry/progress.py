@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Mapping
 from typing import TextIO
 
 from ..units import format_bytes, format_count
 from .describe import describe
-from .hub import SinkFailed
+from .hub import Hub, SinkFailed
 from .run import RunInfo, RunSummary
 from .sample import Event, StepRecord, StepSample
 
@@ -134,11 +135,32 @@ class ProgressLine:
             self._draw(self._pending.sample())
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")
         self._drawn = False
-        loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"
-        recovered = f", {summary.ooms_recovered} OOM(s) recovered" if summary.ooms_recovered else ""
-        how = "stopped" if summary.stopped else "failed" if summary.error else "done"
-        self._write(
-            f"gputui: {how}: {summary.steps} steps, {summary.samples} samples in "
-            f"{summary.elapsed_s:.1f}s; last loss {loss}; micro-batch {summary.micro_batch}"
-            f"{recovered}\n"
-        )
+        self._write(summary_line(summary) + "\n")
+
+
+def summary_line(summary: RunSummary) -> str:
+    """How a fit run ended: headless prints it then, the TUI when it closes (closing_lines)."""
+    loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"
+    recovered = f", {summary.ooms_recovered} OOM(s) recovered" if summary.ooms_recovered else ""
+    how = f"stopped ({summary.stopped})" if summary.stopped else "failed" if summary.error else "done"
+    return (
+        f"gputui: {how}: {summary.steps} steps, {summary.samples} samples in {summary.elapsed_s:.1f}s; "
+        f"last loss {loss}; micro-batch {summary.micro_batch}, amp {summary.amp}, "
+        f"checkpointing {'on' if summary.checkpointing else 'off'}{recovered}"
+    )
+
+
+def saved_line(saved: Mapping[str, int]) -> str | None:
+    """The files gputui.save wrote (path -> bytes), printed when the script has ended; None if none."""
+    if not saved:
+        return None
+    return "gputui: saved " + ", ".join(f"{path} ({format_bytes(size)})" for path, size in saved.items())
+
+
+def closing_lines(hub: Hub) -> list[str]:
+    """What the TUI prints once it has given the terminal back: each fit run's end line, as headless
+    printed it when the run ended (an own loop's run has none: the script prints its own), then the
+    files saved, as headless prints them when the script has ended."""
+    lines = [summary_line(summary) for info, summary in hub.ended if not info.observed]
+    saved = saved_line(hub.saved)
+    return lines if saved is None else [*lines, saved]

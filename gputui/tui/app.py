@@ -216,7 +216,7 @@ class GputuiApp(App[int]):
         """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs)."""
         with self.batch_update():
             self.main.update()
-            if isinstance(self.screen, Overlay):
+            if isinstance(self.screen, (Overlay, ConfirmQuit)):
                 self.screen.update()
         availability = tuple(self.why_not(k.action) for k in KEYS)
         if availability != self._availability:
@@ -339,7 +339,7 @@ class GputuiApp(App[int]):
         if self._quitting or not self._script_running():
             self._leave()
         else:
-            self.push_screen(ConfirmQuit(), lambda yes: self._stop_then_quit() if yes else None)
+            self.push_screen(ConfirmQuit(self.view), lambda yes: self._stop_then_quit() if yes else None)
 
     def action_interrupt(self) -> None:
         """Ctrl-C: stop after the current step and quit; a second one quits at once."""
@@ -352,16 +352,16 @@ class GputuiApp(App[int]):
         return self._thread is not None and self._thread.is_alive()
 
     def leave_when_done(self, reason: str) -> None:
-        """The run was signalled (`reason`): its fit stops after the step, the script finishes (its save
-        runs), then the app leaves with the script's code."""
+        """The run was signalled (`reason`): its fit stops after the step and the script finishes (its save
+        runs; an own loop gets a KeyboardInterrupt), then the app leaves with the script's code."""
         if not self._script_running():
             self.exit(self.script_code if self.script_code is not None else 1)
             return
         self._quitting = True
         self.view.stopping = True
         self.notify(
-            f"{reason}: finishing the current step; the script then finishes (its save runs) and "
-            "gputui exits. Again to stop at once.",
+            f"{reason}: stopping after the current step ({self.view.stop_effect[1]}); gputui exits when "
+            "the script ends. Again to stop at once.",
             timeout=30,
         )
 
@@ -372,7 +372,7 @@ class GputuiApp(App[int]):
         # run stops at its first boundary instead of training on after the user quit.
         self.send("stop", text="stop")
         self.notify(
-            "Stopping after the current step; the script then finishes (its save runs). q again quits at once.",
+            f"Stopping after the current step ({self.view.stop_effect[1]}). q again quits at once.",
             timeout=10,
         )
 

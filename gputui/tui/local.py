@@ -26,6 +26,7 @@ from typing import Any
 
 from .. import interrupts
 from ..launch import detach_from_terminal, run_script
+from ..telemetry.progress import closing_lines
 from ..telemetry.sample import Event
 from ..telemetry.server import TelemetryServer
 from .terminal import Terminal, captured_output
@@ -221,6 +222,8 @@ def run_tui(hub: Any, script: str, args: list[str], refresh: float) -> int:
     if lines:  # what the script said last (its save, its summary) stays visible
         print(f"gputui: {name} printed (last {len(lines)} lines; l in the TUI shows all):")
         print("\n".join(lines))
+    for line in closing_lines(hub):  # how each run ended and what was saved, as headless says it
+        print(line)
     if not first and code and not state.forced:
         failure = report.getvalue() or f"exit code {code}"
         sys.stderr.write(failure if failure.endswith("\n") else failure + "\n")

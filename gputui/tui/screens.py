@@ -513,21 +513,34 @@ class LogScreen(Overlay):
 
 
 class ConfirmQuit(ModalScreen[bool]):
+    """Stop and quit? With what stopping does to this script (RunView.stop_effect), kept up to date:
+    asked before the run started, it says so, and changes once the run says how it trains."""
+
     BINDINGS = [
         Binding("y", "answer(True)", "yes"),
         Binding("n,escape", "answer(False)", "no"),
         Binding("q", "answer(True)", "yes", show=False),
     ]
 
+    def __init__(self, view: RunView) -> None:
+        super().__init__()
+        self.view = view
+
+    def _text(self) -> str:
+        question, effect = self.view.stop_effect
+        return f"{question}\n({effect})"
+
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm"):
-            yield Label(
-                "Training is running. Stop after the current step and quit?\n"
-                "(the script's code after fit() still runs: your save happens)"
-            )
+            yield Label(self._text(), id="confirm-text")
             with Horizontal(id="confirm-buttons"):
                 yield Button(Text("[y] stop and quit"), id="yes", variant="error")
                 yield Button(Text("[n] keep training"), id="no", variant="primary")
+
+    def update(self) -> None:
+        """Called by the app after each pull while this screen is on top."""
+        if self.is_mounted:
+            self.query_one("#confirm-text", Label).update(self._text())
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")

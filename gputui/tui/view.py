@@ -258,6 +258,28 @@ class RunView:
         return self.info is not None and self.info.observed
 
     @property
+    def stop_effect(self) -> tuple[str, str]:
+        """What a quit asks, and what stopping does to this script: a fit() returns and the code after it
+        runs, an own loop gets a KeyboardInterrupt (observe.py). The quit dialog shows both, the notices
+        the second."""
+        if self.info is None:  # the script is still importing or loading: either may come
+            return (
+                "Training has not started yet. Stop it and quit?",
+                "a fit() stops at its first step and the code after it runs; a loop of the script's own "
+                "gets a KeyboardInterrupt",
+            )
+        if self.info.observed:
+            return (
+                "The script's own loop is training. Stop it and quit?",
+                "the script gets a KeyboardInterrupt after its next optimizer step: the code after its loop, "
+                "a save there, does not run unless it catches it",
+            )
+        return (
+            "Training is running. Stop after the current step and quit?",
+            "the script's code after fit() still runs: your save happens",
+        )
+
+    @property
     def total_steps(self) -> int | None:
         return self.info.total_steps if self.info else None
 

@@ -204,6 +204,59 @@ def test_plain_python_scripts_are_attachable_too(env, script, tmp_path):
             proc.kill()
 
 
+ENDS = """
+import os, sys, time
+import gputui, torch
+from gputui.telemetry.hub import current
+
+mode = sys.argv[1]
+
+def step(model, batch):  # the one step ends once a control is queued: no boundary comes to apply it
+    if mode != "lingers":
+        open(sys.argv[2], "w").close()  # past the first boundary: ready for the request
+        while not len(current().controls):
+            time.sleep(0.01)
+    if mode == "dies":
+        os._exit(0)
+    return model(batch).square().mean()
+
+model = torch.nn.Linear(8, 2)
+gputui.fit(model, [torch.randn(4, 8)], step, torch.optim.SGD(model.parameters(), lr=0.1))
+if mode == "lingers":  # the run is over, the script goes on (evaluating, saving)
+    open(sys.argv[2], "w").close()
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, said",
+    [
+        ("ends", "job {pid}: its run ended before applying it (finished, after step 1)"),
+        ("dies", "job {pid} ended before applying it (the connection closed without its final record)"),
+        ("lingers", "job {pid}: its run ended before applying it (finished, after step 1)"),
+    ],
+)
+def test_ctl_says_the_job_ended_before_applying_it(env, tmp_path, mode, said):
+    path, ready = tmp_path / "ends.py", tmp_path / "ready"
+    path.write_text(ENDS)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputui", "run", "--headless", str(path), mode, str(ready)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the socket is served before the script starts
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        done = gputui(env, "ctl", proc.pid, "halve-batch")
+        assert (done.returncode, done.stdout) == (1, said.format(pid=proc.pid) + "\n"), done.stderr
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_attach_needs_a_job(env):
     done = gputui(env, "attach")
     assert done.returncode == 1 and done.stderr.startswith("gputui: error: no running gputui jobs of yours")

@@ -145,8 +145,12 @@ def test_signal_finishes_the_step_and_the_script_saves(tmp_path, sig, reason):
     assert f"stopped ({reason})" in stdout
     import torch  # only to read the file the script wrote
 
+    from gputui.units import format_bytes
+
     saved = torch.load(out)
     assert saved["stopped"] == reason and saved["steps"] > 0
+    assert f"gputui: stopped ({reason}): {saved['steps']} steps, " in stdout, "the run's end line says why"
+    assert stdout.splitlines()[-1] == f"gputui: saved {out} ({format_bytes(out.stat().st_size)})", "once it ended"
 
 
 @pytest.mark.parametrize("demo, extra", [("mlp.py", []), ("gpt.py", ["--batch", "4"])])

@@ -133,7 +133,7 @@ class Tui:
         saved = torch.load(self.out)
         assert saved["stopped"] == stopped and saved["steps"] == end["steps"] and saved["big"].sum() == 1 << 20
         assert os.listdir(self.sockets) == [], "the socket is removed"
-        assert not [p for p in os.listdir(self.out.parent) if p.endswith(".tmp")]
+        assert not [p for p in os.listdir(self.out.parent) if p.endswith("gputui-tmp")]
 
 
 @pytest.fixture
@@ -200,6 +200,19 @@ def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tu
     os.write(run.master, b"q")  # yes
     assert run.exit_code() == 3
     run.assert_ended_cleanly("requested")
+
+
+def test_the_tui_prints_the_runs_summary_once_it_has_given_the_terminal_back(tmp_path, tui):
+    run = tui(write_script(tmp_path))
+    run.wait_steps(3)
+    os.write(run.master, b"qq")  # quit, yes: the fit stops after its step, the script saves
+    assert run.exit_code() == 3
+    run.wait_for(run.closed.is_set)
+    after = run.screen[run.screen.rfind(b"\x1b[?1049l") :].decode()  # on the terminal, the screen gone
+    steps = run.records()[-1]["steps"]
+    assert f"gputui: stopped (requested): {steps} steps, {8 * steps} samples in " in after, after
+    assert "; micro-batch 8, amp off, checkpointing off" in after
+    assert f"gputui: saved {run.out} (" in after
 
 
 def test_headless_keeps_stdin(tmp_path, env):
@@ -288,7 +301,7 @@ def assert_saved_whole(out):
 
     saved = torch.load(out, weights_only=False)  # the test's own file: "slow" pickles as str("slow")
     assert saved["slow"] == "slow" and saved["big"].sum() == 1 << 20
-    assert [p for p in os.listdir(out.parent) if p.endswith(".tmp")] == []
+    assert [p for p in os.listdir(out.parent) if p.endswith("gputui-tmp")] == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -339,7 +352,7 @@ def test_a_second_signal_in_the_tui_stops_the_script_once_its_save_is_whole(tmp_
 def test_a_forced_quit_waits_for_the_save(tmp_path, tui):
     run, go = held_save(tmp_path, tui)
     os.write(run.master, b"q")  # asks: the script is running
-    run.wait_for(lambda: b"Stop after the current step" in run.screen)
+    run.wait_for(lambda: b"Stop it and quit?" in run.screen)
     os.write(run.master, b"q")  # yes
     run.wait_for(lambda: b"q again" in run.screen)
     os.write(run.master, b"q")  # at once

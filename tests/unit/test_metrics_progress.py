@@ -4,12 +4,14 @@ import os
 
 import pytest
 import torch
-from helpers import ConvNet, conv_batches, conv_step
+from helpers import ConvNet, conv_batches, conv_step, halving_only
 
 import gputui
 from gputui.telemetry.describe import describe
 from gputui.telemetry.jsonl import MetricsFile
-from gputui.telemetry.progress import ProgressLine
+from gputui.telemetry.progress import ProgressLine, closing_lines
+from gputui.telemetry.run import RunInfo, RunSummary
+from gputui.units import format_bytes
 
 STEP_KEYS = {
     "v",
@@ -33,7 +35,8 @@ STEP_KEYS = {
 }
 
 
-def test_metrics_file_schema(tmp_path):
+def test_metrics_file_schema(tmp_path, monkeypatch):
+    halving_only(monkeypatch)  # the planner's pick depends on how much tracing a loaded machine gets done
     path = tmp_path / "m.jsonl"
     model = ConvNet()
     gputui.fit(
@@ -61,7 +64,7 @@ def test_metrics_file_schema(tmp_path):
     assert steps[0]["samples_per_s"] is None and steps[-1]["samples_per_s"] > 0
     events = [x for x in lines if x["kind"] == "event"]
     assert events and all({"v", "t", "step", "name"} <= set(e) for e in events)
-    assert events[0]["name"] == "oom_recovered" and (events[0]["micro_batch"], events[0]["micro_batch_to"]) == (4, 3)
+    assert events[0]["name"] == "oom_recovered" and (events[0]["micro_batch"], events[0]["micro_batch_to"]) == (4, 2)
     assert lines[-1]["steps"] == 4 and lines[-1]["error"] is None
 
 
@@ -197,3 +200,19 @@ def test_a_plan_whose_rows_are_still_coming_is_printed_once_whole():
     line.on_event(Event("plan", 2, {**details, "complete": False}))
     line.on_event(Event("plan", 3, {**details, "complete": True}))
     assert out.getvalue() == "gputui: step 3 | plan: no remedy applies\n"
+
+
+def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_path):
+    """What the TUI prints as it closes, in headless's words."""
+    hub.start(RunInfo(mode="fit"))
+    ended = dict(steps=5, samples=80, micro_batch=8, loss=0.5, amp="bf16", checkpointing=True, elapsed_s=2.0)
+    hub.end(RunSummary(**ended, stopped="requested", ooms_recovered=1))
+    hub.start(RunInfo(mode="observe"))  # an own loop prints its own: no line of ours
+    hub.end(RunSummary(steps=3))
+    path = tmp_path / "ck.pt"
+    gputui.save({"w": torch.ones(4)}, path)
+    assert closing_lines(hub) == [
+        "gputui: stopped (requested): 5 steps, 80 samples in 2.0s; last loss 0.5; micro-batch 8, amp bf16, "
+        "checkpointing on, 1 OOM(s) recovered",
+        f"gputui: saved {path} ({format_bytes(path.stat().st_size)})",
+    ]

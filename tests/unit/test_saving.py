@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -22,3 +25,69 @@ def test_save_is_atomic_and_keeps_the_usual_mode(tmp_path):
         gputui.save({"w": torch.zeros(3), "bad": Unpicklable()}, path)
     assert torch.equal(torch.load(path)["w"], torch.ones(3)), "a failed save must leave the old file whole"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"], "no temporary file left behind"
+
+
+def test_a_save_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"old")
+    path.chmod(0o600)  # a private checkpoint stays private
+    gputui.save({"w": torch.ones(3)}, path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o640)
+    gputui.save({"w": torch.ones(3)}, path)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_save_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "run3").mkdir()
+    target = tmp_path / "run3" / "ck.pt"
+    gputui.save({"step": 1}, target)
+    link = tmp_path / "latest.pt"
+    link.symlink_to("run3/ck.pt")
+    gputui.save({"step": 2}, link)
+    assert link.is_symlink() and os.readlink(link) == "run3/ck.pt", "the link stays a link, to the same file"
+    assert torch.load(target)["step"] == 2, "the target is the new file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt", "run3"]
+    assert [p.name for p in (tmp_path / "run3").iterdir()] == ["ck.pt"], "the temporary file went beside the target"
+    (tmp_path / "next.pt").symlink_to("run4.pt")  # a link to a file not yet made: the save makes it
+    gputui.save({"step": 3}, tmp_path / "next.pt")
+    assert (tmp_path / "next.pt").is_symlink() and torch.load(tmp_path / "run4.pt")["step"] == 3
+
+
+STALLED_SAVE = """
+import sys, time
+import gputui, torch
+
+class Stall:  # pickled mid-save: says so, then never returns
+    def __reduce__(self):
+        open(sys.argv[2], "w").close()
+        time.sleep(600)
+
+gputui.save({"w": torch.ones(1 << 16), "stall": Stall()}, sys.argv[1])
+"""
+
+
+def test_a_save_removes_the_temporary_files_of_saves_killed_midway_and_no_other(tmp_path):
+    path = tmp_path / "ck.pt"
+    children = [
+        subprocess.Popen([sys.executable, "-c", STALLED_SAVE, str(path), str(tmp_path / f"saving{i}")]) for i in (1, 2)
+    ]
+    try:
+        for i in (1, 2):
+            deadline = time.monotonic() + 60
+            while not (tmp_path / f"saving{i}").exists():
+                assert time.monotonic() < deadline and children[i - 1].poll() is None, "the child never got to its save"
+                time.sleep(0.05)
+        temps = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
+        assert len(temps) == 2, "each stalled save has its temporary file"
+        killed, alive = children
+        killed.kill()  # SIGKILL mid-save: nothing of it runs again
+        killed.wait()
+        gputui.save({"w": torch.zeros(1)}, path)
+        left = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
+        assert len(left) == 1 and f".{alive.pid}." in left.pop(), "the dead save's file went, the live one's stays"
+        assert torch.equal(torch.load(path)["w"], torch.zeros(1))
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
