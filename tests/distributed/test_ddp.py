@@ -457,7 +457,7 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     step 1, or in the last step, said at the closing exchange), or its data breaks: both ranks
     raise FitError at the same step, each saying why, and nothing hangs."""
     scenarios = ("oom-None", "oom-1", "step-error", "opt-oom-1", "opt-oom-last", "data-error")
-    out = launch(tmp_path, "own-group", *scenarios, env={"BUDGET": "1KiB"})
+    out = launch(tmp_path, "own-group", *scenarios, env={"BUDGET": "584B"})
     for name in scenarios:
         both = records(out, name)
         assert all("error" in r for r in both), (name, both)
@@ -511,7 +511,7 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
         "sync-fatal",
         "wrapped-bn",
     )
-    out = launch(tmp_path, "own-group", *scenarios, env={"LOCAL_BUDGET": "1300B", "SYNC_BUDGET": "1400B"})
+    out = launch(tmp_path, "own-group", *scenarios, env={"LOCAL_BUDGET": "860B", "SYNC_BUDGET": "960B"})
     expected = reference(epochs=1)
     ooms = {"raise-in-model": ("forward", 2), "local-recover": ("backward", 1), "raise-in-loss": ("forward", 2)}
     ooms["sync-recover"] = ooms["wrapped-sync-recover"] = ("backward", 2)
@@ -570,7 +570,7 @@ def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):
     no peak seen yet) ends both ranks with a FitError, rank 1 saying why, nothing waiting for the
     process group's timeout (it goes last: fit's group is gone after it)."""
     scenarios = ("fsdp-None", "fsdp-2", "fsdp-script", "fsdp-prevent", "thrash-ddp", "thrash-fsdp", "fsdp-oom")
-    out = launch(tmp_path, "fit-group", *scenarios, env={"FSDP_BUDGET": "1700B", "FSDP_OOM_BUDGET": "1500B"})
+    out = launch(tmp_path, "fit-group", *scenarios, env={"FSDP_BUDGET": "1260B", "FSDP_OOM_BUDGET": "1060B"})
     expected = reference(epochs=2)
     for name in scenarios[:4]:
         for record, state in zip(records(out, name), weights(out, name), strict=True):
