@@ -16,14 +16,14 @@ __all__ = ["fit", "FitResult", "FitError", "save", "__version__"]
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 if TYPE_CHECKING:
-    from .engine.loop import fit
+    from .engine.fit import fit
     from .engine.result import FitError, FitResult
     from .engine.saving import save
 
 
 def __getattr__(name: str) -> Any:
     if name == "fit":
-        from .engine.loop import fit
+        from .engine.fit import fit
 
         return fit
     if name == "save":

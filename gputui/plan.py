@@ -481,7 +481,7 @@ class _Trace:
         tracked_optimizer: int,
         tracked_peak: int,
     ) -> tuple[int, int]:
-        """One step as _Trainer._attempt runs it; the tracker's count at its worst and after it."""
+        """One step as fit runs it (strategies/single.py); the tracker's count at its worst and after it."""
         model, optimizer = self.model, self.optimizer
         params = list(model.parameters())
         param_keys = {_key(p) for p in params}

@@ -50,7 +50,7 @@ def test_help_does_not_import_torch():
 
 
 @pytest.mark.parametrize(
-    "module", ["gputui.engine.loop", "gputui.plan", "gputui.step.sizing", "gputui.probes.device", "gputui.probes.cuda"]
+    "module", ["gputui.engine.fit", "gputui.plan", "gputui.step.sizing", "gputui.probes.device", "gputui.probes.cuda"]
 )
 def test_engine_and_probes_never_import_textual(module):
     loaded = modules_after(f"import {module}")

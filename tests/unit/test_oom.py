@@ -23,8 +23,8 @@ from torch.nn import functional as F
 
 import gputui
 from gputui.engine import oom
-from gputui.engine.loop import MAX_RETRIES
 from gputui.engine.oom import Generators, is_oom
+from gputui.engine.recovery import MAX_RETRIES
 from gputui.probes import host
 
 

@@ -1,0 +1,185 @@
+"""The step boundary: the controls queued since the last step applied in order (each answered by an
+event), the pause, and the stop a control or a signal asks for. Between two steps only, so a
+remedy never lands inside an accumulation window."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..step.checkpointing import Checkpointing
+from ..step.precision import Precision
+from ..telemetry.controls import Control
+from ..telemetry.hub import Hub
+from .planhook import PlanningHook
+from .session import RunSession
+from .state import RunState
+
+if TYPE_CHECKING:
+    from .distributed import Distributed
+
+REPEATED_SIGNAL_S = 2.0
+"""Under torchrun a Ctrl-C reaches a rank twice (from the terminal, then passed on by torchrun): a
+second signal this soon after the first is that one, not a request to stop at once."""
+
+
+class Boundary:
+    def __init__(
+        self,
+        hub: Hub,
+        session: RunSession,
+        state: RunState,
+        precision: Precision,
+        checkpointing: Checkpointing,
+        planning: PlanningHook,
+        group: Distributed | None,
+    ) -> None:
+        self.hub, self.session, self.state = hub, session, state
+        self.precision, self.checkpointing, self.planning, self.group = precision, checkpointing, planning, group
+        self.signal: str | None = None  # SIGINT's or SIGTERM's reason, set by the handler
+        self._handlers: dict[str, Callable[[Control], bool]] = {
+            "halve_batch": self._resize,
+            "double_batch": self._resize,
+            "set_amp": self._set_amp,
+            "set_checkpointing": self._set_checkpointing,
+            "set_auto_recover": self._set_auto_recover,
+            "plan": planning.asked,
+            "stop": self._request_stop,
+        }
+
+    def passed(self) -> bool:
+        """One process's boundary: apply every queued control; while paused, wait here. False: stop
+        before the next step."""
+        hub = self.hub
+        if hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
+            self.apply_queued()
+            self.session.wait_while_paused(self.apply_queued, self.stopping)
+        if self.signal is None and hub.stop_signal is None:  # most boundaries: stopping() has nothing to take
+            return self.state.stop_reason is None
+        return not self.stopping()
+
+    def signalled(self) -> str | None:
+        """A stop signal: this thread's handler's, or the hub's (set where fit is not the main thread)."""
+        return self.signal or self.hub.stop_signal
+
+    def stopping(self) -> bool:
+        signalled = self.signalled()
+        state = self.state
+        if signalled and not state.stop_reason:
+            state.stop_reason = signalled
+        return state.stop_reason is not None
+
+    def apply_queued(self) -> list[Control]:
+        """Apply what is queued, in order; returns the controls that changed something."""
+        return self.apply_all(self.hub.controls.drain())
+
+    def apply_all(self, controls: list[Control]) -> list[Control]:
+        """Requests to free the cache are merged: one gc + empty_cache per boundary is all it takes,
+        and each costs a full garbage collection."""
+        applied, freed = [], False
+        for control in controls:
+            if control.action == "free_cache":
+                if freed:
+                    self.session.refuse(control, "the cache was freed at this boundary already")
+                    continue
+                freed = True
+            if self._apply(control):
+                applied.append(control)
+        self.planning.changed(applied)
+        return applied
+
+    def _apply(self, control: Control) -> bool:
+        """Apply one control; True if it changed something. Every request is answered by an event."""
+        applied = self.session.apply(control)
+        if applied is not None:
+            return applied
+        return self._handlers[control.action](control)
+
+    def _resize(self, control: Control) -> bool:
+        state, group, sizing = self.state, self.group, self.state.sizing
+        current, batch = state.micro_batch_now(), state.batch_size
+        if group is not None and group.ranks:  # the job's (the largest rank's): every rank decides alike
+            current, batch = group.job_sizes()
+        if control.action == "halve_batch":
+            why = sizing.why_not_halve(current)
+            if why:
+                return self.session.refuse(control, why)
+            new = sizing.halved(current)
+        else:
+            if current >= batch:
+                return self.session.refuse(control, f"the micro-batch already equals the global batch ({batch})")
+            new = sizing.doubled(current, batch)
+        details: dict[str, Any] = {"from": current, "to": new}
+        self.session.emit("micro_batch_changed", control, **details, accumulation=state.accumulation_at(new))
+        state.micro_batch = new
+        if group is not None:
+            group.resized(new)
+        return True
+
+    def _set_amp(self, control: Control) -> bool:
+        value = control.value
+        if value == self.precision.mode:
+            return self.session.refuse(control, f"AMP is already {value}")
+        reason = self.precision.unsupported(value)
+        if reason:
+            return self.session.refuse(control, reason)
+        old = self.precision.mode
+        self.precision.set(value)
+        self.session.emit("amp_changed", control, **{"from": old, "to": value})
+        return True
+
+    def _set_checkpointing(self, control: Control) -> bool:
+        if control.value == self.checkpointing.enabled:
+            return self.session.refuse(control, f"checkpointing is already {'on' if control.value else 'off'}")
+        self.checkpointing.set(control.value)
+        self.session.emit("checkpointing_changed", control, enabled=control.value, how=self.checkpointing.how)
+        return True
+
+    def _set_auto_recover(self, control: Control) -> bool:
+        if control.value == self.state.auto_recover:
+            return self.session.refuse(control, f"auto-recover is already {'on' if control.value else 'off'}")
+        self.state.auto_recover = control.value
+        self.session.emit("auto_recover_changed", control, enabled=control.value)
+        return True
+
+    def _request_stop(self, control: Control) -> bool:
+        self.state.stop_reason = "requested"
+        return True
+
+    # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------
+    def install_signals(self) -> Callable[[], None]:
+        """The first signal stops after the current step; a second stops at once. Returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # the TUI's worker thread: the app handles keys, the runner signals
+        names: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+        previous = {sig: signal.getsignal(sig) for sig in names}
+        shared = self.group is not None
+        first: list[float] = []
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.signal is not None:  # the second one: stop now
+                if shared and time.monotonic() - first[0] < REPEATED_SIGNAL_S:
+                    return  # torchrun passing on the Ctrl-C the terminal gave this rank already
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(128 + signum)
+            self.signal = names[signum]
+            first.append(time.monotonic())
+            # No lock may be taken in a handler (the interrupted code may hold it): write directly.
+            again = f"again after {REPEATED_SIGNAL_S:g} s" if shared else "again"
+            sys.stderr.write(
+                f"\ngputui: {self.signal}: finishing the current step, then stopping ({again} to stop at once)\n"
+            )
+
+        for sig in names:
+            signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)
+
+        return restore

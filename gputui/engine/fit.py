@@ -1,0 +1,117 @@
+"""fit(): epochs of global batches, each trained by the trainer's one step."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .options import FitOptions, length
+from .result import FitError, FitResult
+from .trainer import Trainer
+
+
+def fit(
+    model: nn.Module,
+    data: Iterable[Any],
+    step: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    scheduler: Any = None,
+    micro_batch: int | str | None = None,
+    amp: str = "off",
+    checkpointing: bool | None = None,
+    checkpoint_modules: Sequence[nn.Module] | None = None,
+    device: str | torch.device | None = None,
+    memory_budget: int | str | None = None,
+    gpu_memory_limit: int | str | None = None,
+    auto_recover: bool = True,
+    metrics: str | os.PathLike[str] | None = None,
+    memory_history: bool = False,
+    snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
+    distributed: str = "auto",
+    items: Callable[[Any], Any] | None = None,
+) -> FitResult:
+    """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
+
+    `epochs=None` means one epoch, or as many as `max_steps` needs when that is given; with
+    both, training stops at whichever comes first. Options given on the gputui command line
+    win over the same arguments here. `distributed="auto"`: under torchrun, every rank trains its
+    share of each global batch through DistributedDataParallel (see engine/distributed.py).
+    `items(batch) -> count`: what the loss is a mean over (tokens that count); micro-batches are then
+    weighted by their items, not their samples, so their gradients add up to the global batch's.
+    """
+    options = FitOptions(
+        epochs=epochs,
+        max_steps=max_steps,
+        scheduler=scheduler,
+        micro_batch=micro_batch,
+        amp=amp,
+        checkpointing=checkpointing,
+        checkpoint_modules=checkpoint_modules,
+        device=device,
+        memory_budget=memory_budget,
+        gpu_memory_limit=gpu_memory_limit,
+        auto_recover=auto_recover,
+        metrics=metrics,
+        memory_history=memory_history,
+        snapshot_dir=snapshot_dir,
+        distributed=distributed,
+        items=items,
+    )
+    if not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
+    trainer = Trainer(model, step, optimizer, options, data)
+    epochs = epochs if epochs is not None else (1 if max_steps is None else None)
+    per_epoch = length(data)
+    with trainer.running(**_length(epochs, max_steps, per_epoch)):
+        _epochs(trainer, data, epochs, max_steps)
+    return trainer.result()
+
+
+def _length(epochs: int | None, max_steps: int | None, per_epoch: int | None) -> dict[str, Any]:
+    """How long the run is, as far as the data says (the ETA and "step N/M" on the screen)."""
+    total = per_epoch * epochs if per_epoch is not None and epochs is not None else None
+    if max_steps is not None:
+        total = max_steps if total is None else min(total, max_steps)
+    planned = epochs
+    if epochs is None and per_epoch and max_steps is not None:
+        planned = math.ceil(max_steps / per_epoch)
+    return {"epochs": planned, "max_steps": max_steps, "steps_per_epoch": per_epoch, "total_steps": total}
+
+
+def _epochs(trainer: Trainer, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> None:
+    """Epochs of steps until the data, `max_steps` or a stop ends them; then the strategy's last word
+    (under torchrun, a closing exchange: a failure after the last step reaches every rank)."""
+    state, strategy = trainer.state, trainer.strategy
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        state.epoch = epoch
+        strategy.set_epoch(epoch)
+        trained = 0
+        for batch, has_next in strategy.batches(data, lambda: max_steps is not None and state.steps + 1 >= max_steps):
+            if not trainer.step(batch, has_next):
+                return strategy.end(state.epochs_done)
+            trained += 1
+            if max_steps is not None and state.steps >= max_steps:
+                if trained == length(data):
+                    state.epochs_done += 1  # the last step was also the end of the epoch
+                return strategy.end(state.epochs_done)
+            if not trainer.more:
+                break
+        if trained == 0:
+            if epoch == 0:
+                raise FitError("data yielded no batches: nothing to train on")
+            raise FitError(
+                f"data yielded no batches in epoch {epoch + 1}: it can be iterated only once "
+                "(a generator?); pass a DataLoader or a list, or set epochs=1"
+            )
+        state.epochs_done += 1
+        epoch += 1
+    strategy.end(state.epochs_done)

@@ -1,0 +1,83 @@
+"""fit()'s options, checked once before anything is built, and the device they name."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None picks cuda, then mps, then cpu; "cuda" means the current CUDA device."""
+    if device is None:
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif torch.backends.mps.is_available():
+            device = "mps"
+        else:
+            device = "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device='mps' was asked for, but MPS is not available here")
+    return device
+
+
+def is_shared(mode: str, model: nn.Module) -> bool:
+    """Train as one rank of several: under torchrun (WORLD_SIZE > 1), or given a model in DDP."""
+    if mode == "off":
+        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """fit()'s keyword arguments, checked once. The command line's settings (the hub's overrides)
+    win over them in the RunSession, but for the metrics file: the command line's replaces fit's."""
+
+    epochs: int | None = None
+    max_steps: int | None = None
+    scheduler: Any = None
+    micro_batch: int | str | None = None
+    amp: str = "off"
+    checkpointing: bool | None = None  # None: as the model is (a Hugging Face model's own setting)
+    checkpoint_modules: Sequence[nn.Module] | None = None
+    device: str | torch.device | None = None
+    memory_budget: int | str | None = None
+    gpu_memory_limit: int | str | None = None
+    auto_recover: bool = True
+    metrics: str | os.PathLike[str] | None = None
+    memory_history: bool = False
+    snapshot_dir: str | os.PathLike[str] | None = None
+    distributed: str = "auto"
+    items: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "max_steps"):
+            _positive(name, getattr(self, name))
+        if self.items is not None and not callable(self.items):
+            raise TypeError(f"items must be a function items(batch) -> count, got {type(self.items).__name__}")
+        if self.micro_batch != "auto":
+            _positive("micro_batch", self.micro_batch)
+        if self.distributed not in ("auto", "off", "fsdp"):
+            raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')

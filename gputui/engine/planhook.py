@@ -1,0 +1,172 @@
+"""The planner as a run uses it: made the first time a prediction is asked for (a run that never needs
+one never traces), fed each step's measured peak, asked at the boundary, after an OOM and for
+micro_batch="auto". Nothing here may end a run: a planner that fails is said, and the run halves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..probes.cpu import CpuProbe
+from ..step.checkpointing import Checkpointing
+from ..step.microbatch import shapes
+from ..step.precision import Precision
+from ..telemetry.controls import Control
+from ..telemetry.sample import Memory
+from ..units import format_bytes
+from .oom import OomInfo
+from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
+from .session import RunSession
+from .state import RunState
+
+RESETTINGS = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing"})
+"""The controls after which a plan made before is stale."""
+
+
+class PlanningHook:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: Callable[[nn.Module, Any], torch.Tensor],
+        device: torch.device,
+        precision: Precision,
+        checkpointing: Checkpointing,
+        checkpoint_modules: Any,
+        session: RunSession,
+        state: RunState,
+        *,
+        auto_micro_batch: bool,
+        traceable: bool,
+    ) -> None:
+        self._make = lambda: Planner(
+            model,
+            optimizer,
+            step,
+            device,
+            tracked=isinstance(session.probe, CpuProbe),
+            checkpoint_modules=checkpoint_modules,
+            checkpointing_unavailable=checkpointing.unavailable(),
+            blocks=len(checkpointing.blocks),
+            min_micro_batch=state.sizing.floor,
+            amp_unsupported=precision.unsupported,
+            emit=session.emit,
+        )
+        self.planner: Planner | None = None
+        self.precision, self.checkpointing, self.session, self.state = precision, checkpointing, session, state
+        self._auto_micro_batch = auto_micro_batch
+        self._traceable = traceable  # a sharded step cannot be traced: no table made ahead there
+
+    def get(self) -> Planner:
+        if self.planner is None:
+            self.planner = self._make()
+        return self.planner
+
+    def setting(self, micro_batch: int | None = None) -> Setting:
+        size = self.state.micro_batch_now() if micro_batch is None else micro_batch
+        return Setting(size, self.precision.mode, self.checkpointing.enabled)
+
+    def capacity(self) -> int | None:
+        memory = self.state.memory
+        return memory.capacity if memory is not None else self.session.probe.read().capacity
+
+    # -- at the boundary --------------------------------------------------------------------
+    def asked(self, control: Control) -> bool:
+        """The plan control: answered at this boundary, once the batch is known."""
+        fresh = self.planner is None
+        planner = self.get()
+        if fresh and self.state.memory is not None:
+            self.measured(self.state.memory)  # the table says what the last step measured
+        planner.ask("asked", control)
+        return True
+
+    def changed(self, applied: list[Control]) -> None:
+        """After the controls of a boundary: a table shown for the old setting is made again."""
+        planner = self.planner
+        if planner is not None and planner.planned and any(c.action in RESETTINGS for c in applied):
+            planner.ask("changed")  # the remedies line keeps its predictions for the new setting
+
+    def at_boundary(self, batch: Any) -> None:
+        """The first batch of micro_batch="auto" starts at the largest micro-batch predicted to fit; a
+        table asked for is traced here (a little each boundary), on the training thread."""
+        if self._auto_micro_batch:
+            self._auto_micro_batch = False
+            self._choose_micro_batch(batch)
+        planner = self.planner
+        if planner is not None:
+            self.state.shapes = shapes(batch)
+            if planner.pending:
+                s = self.state
+                planner.work(self.setting(), batch, s.shapes, s.batch_size, self.capacity())
+
+    def _choose_micro_batch(self, batch: Any) -> None:
+        """micro_batch="auto": the largest predicted to fit; the whole batch where nothing can say."""
+        state = self.state
+        total = state.batch_size
+        found, reason = self._auto_size(batch, total)
+        state.micro_batch = None if found >= total else found
+        details: dict[str, Any] = {"from": total, "to": found}
+        self.session.emit("micro_batch_changed", **details, accumulation=state.accumulation_at(found), reason=reason)
+
+    def _auto_size(self, batch: Any, total: int) -> tuple[int, str]:
+        whole = "so the whole batch (OOM recovery will cut it)"
+        capacity = self.capacity()
+        if capacity is None:
+            return total, f"auto: the device's capacity is unknown, {whole}"
+        floor = self.state.sizing.floor
+        try:
+            planner = self.get()
+            s = self.setting()
+            found = planner.largest(s.amp, s.checkpointing, floor, total, batch, shapes(batch), capacity)
+            if found is None:
+                return floor, "auto: no micro-batch is predicted to fit, so the smallest"
+            chosen = planner.prediction(self.setting(found), batch, shapes(batch))
+        except NoPrediction:
+            return total, f"auto: no prediction ({self.get().untraceable(self.setting())}), {whole}"
+        except Exception as exc:  # a bug of ours must not stop a run that would train
+            return total, f"auto: the planner failed ({type(exc).__name__}: {exc}), {whole}"
+        assert chosen is not None
+        how = "predicted" if chosen.exact else "estimated"
+        return (
+            found,
+            f"auto: {how} peak {format_bytes(planner.peak(chosen))} of {format_bytes(capacity)}, the largest that fits",
+        )
+
+    # -- after an OOM, after a step ---------------------------------------------------------
+    def after_oom(self, oom: OomInfo, batch: Any) -> tuple[int, str] | None:
+        """The planner's micro-batch after an OOM; None (halve) when it cannot say. Never raises: a
+        planner that fails must not turn a recoverable OOM into a crash."""
+        capacity = self.session.probe.read().capacity
+        if capacity is None:  # nothing to fit in: halve
+            return None
+        try:
+            planner = self.get()
+            picked = planner.after_oom(self.setting(oom.micro_batch), batch, shapes(batch), capacity)
+            planner.ask("oom")  # the whole table, at the next boundaries
+            return picked
+        except Exception as exc:  # a bug of ours or the model's code on fake tensors: halve as before
+            self.session.emit("error", message=f"the planner failed, halving instead: {type(exc).__name__}: {exc}")
+            return None
+
+    def after_step(self, memory: Memory) -> None:
+        """A planner calibrates against each step; near capacity, one is made (where a step can be traced)."""
+        near = memory.capacity and memory.peak and memory.peak >= NEAR_CAPACITY * memory.capacity
+        if self.planner is not None or (near and self._traceable):
+            self.measured(memory)
+
+    def measured(self, memory: Memory) -> None:
+        """The step just measured against its prediction; near capacity, a table is made ahead."""
+        planner = self.get()
+        setting, shape = self.setting(), self.state.shapes
+        breakdown = {
+            "parameters": memory.params or 0,
+            "gradients": memory.params or 0,  # every trainable parameter has one at the peak
+            "optimizer": memory.optimizer or 0,
+        }
+        breakdown["activations"] = max(0, (memory.peak or 0) - sum(breakdown.values()))
+        planner.step_measured(setting, shape, memory.peak, breakdown)
+        if planner.near_capacity(setting, shape, memory.peak, memory.capacity) and not planner.pending:
+            planner.ask("near_capacity")

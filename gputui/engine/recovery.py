@@ -1,0 +1,271 @@
+"""What follows an out-of-memory error, and the one place that says so: every OOM event and every
+FitError a step can end with is made here. The strategies decide when (which rank, which phase);
+this decides what (drop the attempt, the micro-batch to retry at, or the run's end and its words)."""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES
+from ..units import format_bytes
+from .boundary import Boundary
+from .oom import Buffers, Generators, OomInfo, drop, is_oom
+from .planhook import PlanningHook
+from .result import FitError
+from .session import RunSession
+from .state import RunState
+
+if TYPE_CHECKING:
+    from .distributed import Agreed, Distributed
+
+MAX_RETRIES = 16
+"""OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
+
+THRASHING_STEPS = 3
+"""Steps in a row with new allocator retries before a pre-emptive halving."""
+
+
+class Recovery:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        generators: Generators,
+        buffers: Buffers,
+        session: RunSession,
+        state: RunState,
+        boundary: Boundary,
+        planning: PlanningHook,
+        *,
+        shared: bool,
+    ) -> None:
+        self.optimizer, self.generators, self.buffers = optimizer, generators, buffers
+        self.session, self.state, self.boundary, self.planning = session, state, boundary, planning
+        self.shared = shared
+        self.thrashing = False  # this rank's allocator thrashed since its last exchange (torchrun)
+        self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
+
+    def no_budget_left(self) -> str | None:
+        """Why no batch can fit before the first: the parameters and optimizer state pass the budget."""
+        tracker, budget = self.session.tracker, self.session.budget
+        if tracker is None or budget is None or tracker.total <= budget:
+            return None
+        return (
+            f"the memory budget ({format_bytes(budget)}) is smaller than the model's "
+            f"parameters and optimizer state ({format_bytes(tracker.total)}): no batch can fit"
+        )
+
+    def caught(self, exc: Exception, phase: str, size: int) -> OomInfo:
+        """An OOM out of a step: the message kept, the frames let go (and a snapshot while the failed
+        attempt's tensors are still alive, when history is recorded)."""
+        if self.session.memory_history:
+            self.session.snapshot("oom")
+        return OomInfo(phase, drop(exc), size, self.state.baseline)
+
+    def drop_step(self) -> None:
+        """After an OOM: no gradient, no cached block, no counted byte, no draw from a generator and no
+        running-statistics update of the failed attempt survives (no full gc either, unless device
+        memory is still held: Probe.after_oom)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.generators.restore()
+        self.buffers.restore()
+        session = self.session
+        if session.tracker is not None:
+            session.tracker.reset()
+        session.probe.after_oom(self.state.baseline)
+        if self.shared:
+            # A failed attempt's DDP/FSDP objects can sit in an old generation's cycle: one left to the
+            # interpreter's exit is torn down after its process group and aborts the process (SIGABRT in
+            # 2 of 22 FSDP test launches with the young generations' collection alone, 0 of 15 with this).
+            gc.collect()
+
+    def recover(self, oom: OomInfo, retries: int, batch: Any = None) -> bool:
+        """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end.
+        With the batch (one process), the planner picks the largest micro-batch predicted to fit;
+        under torchrun every rank halves, which every rank can decide alike."""
+        state, session = self.state, self.session
+        details: dict[str, Any] = {
+            "phase": oom.phase,
+            "message": oom.message,
+            "micro_batch": oom.micro_batch,
+            "attempt": retries,
+            "allocated_before": oom.allocated_before,
+            "leaked": max(0, session.probe.allocated() - oom.allocated_before),
+        }
+        if oom.phase == "optimizer":
+            session.emit("oom", **details, recovered=False)
+            raise FitError(
+                f"out of memory inside optimizer.step() at step {state.steps + 1}: not safe to retry (the "
+                "parameters may be partly updated), so training stops. Optimizer state does not shrink "
+                "with the micro-batch: use a lighter optimizer, fewer trainable parameters or more "
+                f"memory. [{oom.message}]"
+            )
+        if retries > MAX_RETRIES:
+            session.emit("oom", **details, recovered=False)
+            raise FitError(
+                f"gave up after {MAX_RETRIES} out-of-memory errors in a row on the same batch "
+                f"(last in {oom.phase}: {oom.message})"
+            )
+        if state.auto_recover:
+            if oom.micro_batch <= 1:
+                session.emit("oom", **details, recovered=False)
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
+                    f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
+                )
+            if oom.micro_batch <= state.sizing.floor:
+                session.emit("oom", **details, recovered=False)
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch {oom.micro_batch}, and the model has "
+                    f"BatchNorm layers: {BATCH_NORM_FLOOR}, so it cannot be halved again. Replace them "
+                    "with GroupNorm or LayerNorm (they do not depend on the batch), or make room: AMP "
+                    "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
+                    f"helps with the batch spread over several GPUs) ({oom.message})"
+                )
+            new, why = state.sizing.halved(oom.micro_batch), "halved"
+            picked = self.planning.after_oom(oom, batch) if batch is not None else None
+            if picked is not None:
+                new, why = picked
+            state.ooms_recovered += 1
+            state.micro_batch = new
+            session.emit(
+                "oom_recovered", **details, micro_batch_to=new, accumulation=state.accumulation_at(new), reason=why
+            )
+            return True
+        # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
+        session.emit("oom", **details, recovered=False, waiting=True)
+        session.paused = True
+        session.emit("paused", reason="oom")
+
+        def apply() -> None:
+            for control in self.boundary.apply_queued():
+                if control.action in REMEDIES or control.action == "set_auto_recover":
+                    if session.paused:
+                        session.paused = False
+                        session.emit("resumed", reason=control.action)
+                    session.clear_rate()
+
+        session.wait_while_paused(apply, self.boundary.stopping)
+        return not self.boundary.stopping()
+
+    def watch_thrashing(self, retries: int) -> None:
+        """The allocator retrying (freeing its whole cache, then allocating again) step after step
+        is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes
+        (under torchrun, said at the exchange, where every rank halves)."""
+        last, streak = self._retries
+        streak = streak + 1 if retries > last else 0
+        self._retries = (retries, streak)
+        if streak < THRASHING_STEPS:
+            return
+        if self.shared:
+            self.thrashing, self._retries = True, (retries, 0)
+            return
+        state = self.state
+        current = state.micro_batch_now()
+        if state.auto_recover and state.sizing.can_halve(current):
+            state.micro_batch = state.sizing.halved(current)
+            self._retries = (retries, 0)
+            self.session.emit(
+                "thrashing",
+                alloc_retries=retries,
+                steps=streak,
+                micro_batch=current,
+                micro_batch_to=state.micro_batch,
+                accumulation=state.accumulation_at(state.micro_batch),
+            )
+
+    # -- under torchrun: the words every rank ends with ---------------------------------------
+    def alone(self, oom: OomInfo, attempt: int, rank: int) -> str | None:
+        """An OOM before this rank's first collective of the step: halved and replayed here, as one
+        process would (None); what one process would end with (micro-batch 1, the retry cap) is
+        returned, to be said at the exchange so every rank ends together. Auto-recover off ends the
+        run too: the others wait in a collective, and a process group's timeout is no time to think."""
+        try:
+            if not self.state.auto_recover:
+                self.session.emit(
+                    "oom", phase=oom.phase, message=oom.message, micro_batch=oom.micro_batch, recovered=False
+                )
+                raise FitError(
+                    f"out of memory in {oom.phase} at micro-batch {oom.micro_batch} with auto-recover off: under "
+                    f"torchrun a rank cannot wait for a remedy while the others wait for it [{oom.message}]"
+                )
+            self.recover(oom, attempt)
+        except FitError as exc:
+            return f"rank {rank}, step {self.state.steps + 1}: {exc}"
+        return None
+
+    def synced_failure(self, failed: OomInfo, fatal: bool, rank: int) -> FitError:
+        """This rank's synced backward failed and cannot be replayed: every rank stops."""
+        if fatal:
+            details: dict[str, Any] = {"phase": failed.phase, "message": failed.message}
+            self.session.emit("oom", **details, micro_batch=failed.micro_batch, recovered=False)
+        return FitError(
+            f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
+            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops"
+        )
+
+    def others_failed(self, ranks: list[int]) -> FitError:
+        return FitError(
+            f"rank {', '.join(map(str, ranks))} stopped at step {self.state.steps + 1} (in the synced backward): "
+            "every rank stops; that rank's output says why"
+        )
+
+    def buckets_failed(self, message: str, rank: int, exc: BaseException) -> FitError:
+        return FitError(
+            f"{message} in the synced backward on rank {rank}, step {self.state.steps + 1}, and completing its "
+            f"gradient buckets failed too: the other ranks may be left waiting [{drop(exc)}]"
+        )
+
+    def optimizer_failed(self, exc: Exception, rank: int) -> tuple[str, bool]:
+        """optimizer.step() failed on this rank after the others stepped: not safe to retry. The words
+        for the next exchange, and whether it was an OOM."""
+        oom = is_oom(exc)
+        why = "out of memory" if oom else f"{type(exc).__name__}"
+        message = (
+            f"{why} inside optimizer.step() on rank {rank} at step {self.state.steps + 1}: not safe to retry, "
+            f"so every rank stops [{drop(exc) if oom else exc}]"
+        )
+        if oom:
+            self.session.emit("oom", phase="optimizer", message=message, recovered=False)
+        return message, oom
+
+    def fsdp_failure(self, exc: Exception, phase: str, size: int, rank: int) -> FitError:
+        """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in."""
+        oom = is_oom(exc)
+        what = f"out of memory in {phase}" if oom else f"{type(exc).__name__} in {phase}"
+        detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
+        if oom:
+            self.session.emit("oom", phase=phase, message=detail, micro_batch=size, recovered=False)
+        return FitError(
+            f"{what} at micro-batch {size} on rank {rank}, step {self.state.steps + 1}, under FSDP: a rank cannot "
+            "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
+            f"peak nears its capacity; this came first) [{detail}]"
+        )
+
+    def job_error(self, d: Distributed, agreed: Agreed, closing: bool = False) -> FitError:
+        """The error every rank raises together after a step some rank could not train (`closing`: at
+        the exchange after the last step)."""
+        if d.failure is not None:
+            error = FitError(d.failure.message)
+            error.__cause__ = d.failure.error
+            return error
+        if agreed.fatal:
+            ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"
+            why = "out of memory" if agreed.fatal_oom == agreed.fatal else "an error"
+            steps = self.state.steps
+            when = f"after step {steps}" if closing else f"at step {steps + 1}"
+            return FitError(f"rank {ranks} stopped {when} ({why}): every rank stops; that rank's output says why")
+        return FitError(
+            f"a rank's data yielded no batch in epoch {self.state.epoch + 1} while others had some: each rank needs "
+            "at least one (a DistributedSampler gives every rank the same number)"
+        )
+
+    def no_items(self, everywhere: bool) -> FitError:
+        where = "global batch" if everywhere else "batch"
+        return FitError(
+            f"items() counted 0 items in the whole {where} of step {self.state.steps + 1}"
+            + (", on every rank" if everywhere else "")
+            + ": no loss to train"
+        )

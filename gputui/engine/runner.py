@@ -1,0 +1,171 @@
+"""What every strategy runs a global batch with: the cut into pieces and their weights, a piece's
+forward (on the device, under autocast, its saved tensors counted), the backward through the
+scaler, the optimizer step, and the bookkeeping once a step is done."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..probes.cpu import StateTracker
+from ..step.checkpointing import Checkpointing
+from ..step.microbatch import shapes, tensors, to_device, token_weighted
+from ..step.precision import Precision
+from .deferred import DeferredLoss
+from .oom import Buffers
+from .result import FitError
+from .session import RunSession
+from .state import RunState
+
+
+class Runner:
+    def __init__(
+        self,
+        model: nn.Module,
+        step: Callable[[nn.Module, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        items: Callable[[Any], Any] | None,
+        device: torch.device,
+        precision: Precision,
+        checkpointing: Checkpointing,
+        buffers: Buffers,
+        session: RunSession,
+        state: RunState,
+    ) -> None:
+        self.model, self.step, self.optimizer, self.scheduler, self.items = model, step, optimizer, scheduler, items
+        self.device, self.precision, self.checkpointing = device, precision, checkpointing
+        self.session, self.state = session, state
+        self.tracker: StateTracker | None = session.tracker
+        self.probe = session.probe
+        self.batch_norms = buffers.batch_norms
+        self.losses = DeferredLoss.for_device(device)
+        self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
+        self._said_items = items is not None  # the token-mean hint: said once, or not needed
+
+    # -- a try at a global batch ------------------------------------------------------------
+    def start(self, batch: Any, size: int) -> None:
+        """A try begins at micro-batch `size`: what it saves for backward depends on these alone."""
+        tracker = self.tracker
+        if tracker is not None:
+            self.state.shapes = shapes(batch)
+            key = (size, self.precision.mode, self.checkpointing.enabled, self.state.shapes)
+            tracker.start_step(key, tensors(batch))
+        self.probe.start_step()
+
+    def cut(self, batch: Any, size: int) -> list[Any]:
+        """The batch's pieces at `size` (views); the first cut of a run says what cutting changes."""
+        pieces = self.state.sizing.split(batch, size, self.state.batch_size)
+        if len(pieces) > 1:
+            self._say_split(batch, size)
+        return pieces
+
+    def counts(self, pieces: list[Any], size: int) -> tuple[list[int], int]:
+        """Each piece's weight units and their sum: its samples, or with `items` what its loss is a mean
+        over (so the pieces' weighted losses add up to the global batch's mean, whatever the padding)."""
+        if self.items is None:
+            counts = self.state.sizing.cut(self.state.batch_size, size)
+        else:
+            counts = [self.count(piece) for piece in pieces]
+        return counts, sum(counts)
+
+    def count(self, batch: Any) -> int:
+        """items(batch) as a count: an int, or a tensor of one integral value (read on the host batch)."""
+        assert self.items is not None
+        n = self.items(batch)
+        try:
+            value = float(n)  # an int, a NumPy integer, a one-element tensor
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+        if isinstance(n, bool) or not (value >= 0 and value.is_integer()):
+            shown = f"a tensor of shape {tuple(n.shape)}" if isinstance(n, torch.Tensor) else repr(n)[:80]
+            raise FitError(f"items(batch) must return a count (an int >= 0, or a one-element tensor), got {shown}")
+        return int(value)
+
+    def units(self, batch: Any) -> int:
+        """The whole batch's items (its samples without `items`)."""
+        return self.count(batch) if self.items is not None else self.state.batch_size
+
+    # -- a piece ----------------------------------------------------------------------------
+    def forward(self, piece: Any) -> torch.Tensor:
+        """One micro-batch's loss: on the device, under AMP, what it saves for backward counted."""
+        piece = to_device(piece, self.device)
+        tracker = self.tracker
+        if self.precision.mode == "off" and (tracker is None or not tracker.counting):
+            loss = self.step(self.model, piece)  # most steps: no context to enter and leave
+        else:
+            with self.precision.autocast(), tracker.saving() if tracker is not None else nullcontext():
+                loss = self.step(self.model, piece)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1):
+            self._check_loss(loss)  # says what is wrong
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaler = self.precision.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def piece_done(self) -> None:
+        tracker = self.tracker
+        if tracker is not None and tracker.counting:
+            tracker.end_micro_batch()
+
+    # -- the step's end ---------------------------------------------------------------------
+    def optimizer_step(self) -> None:
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        if self.tracker is not None:
+            self.tracker.refresh_optimizer()
+
+    def done(self, loss_sum: torch.Tensor, pieces: int) -> None:
+        """After optimizer.step(): the gradients and counted bytes go, the schedule and counters move."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.tracker is not None:
+            self.tracker.reset()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        state = self.state
+        state.loss = self.losses.put(loss_sum)  # no wait for the device (engine/deferred.py)
+        state.accumulation = pieces
+        session = self.session
+        session.steps += 1
+        session.samples += state.batch_size
+
+    def _check_loss(self, loss: Any) -> None:
+        if not isinstance(loss, torch.Tensor):
+            raise FitError(f"step() must return the loss as a scalar tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise FitError(
+                f"step() must return a scalar loss (the mean over the batch), got a tensor of shape "
+                f"{tuple(loss.shape)}: reduce it with .mean()"
+            )
+        if not loss.requires_grad:
+            raise FitError(
+                "the loss returned by step() does not require grad: was it computed under "
+                "torch.no_grad(), or are all parameters frozen?"
+            )
+
+    def _say_split(self, batch: Any, size: int) -> None:
+        """Once a run each, the first time a batch is cut: what micro-batching changes for BatchNorm, and
+        that a batch looking token-weighted has its pieces weighted by samples (without `items`)."""
+        if not self._said_batch_norm:
+            self._said_batch_norm = True
+            self.session.emit(
+                "batch_norm_micro_batched",
+                layers=self.batch_norms,
+                micro_batch=size,
+                batch_size=self.state.batch_size,
+            )
+        if not self._said_items:
+            self._said_items = True
+            hint = token_weighted(batch)
+            if hint is not None:
+                self.session.emit("items_hint", why=hint[0], fix=hint[1], micro_batch=size)

@@ -1,0 +1,111 @@
+"""One process: the step's OOMs are its own, so it replays a failed global batch at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ...step.pieces import Progress, run_pieces
+from ..boundary import Boundary
+from ..oom import Buffers, Generators, OomInfo, is_oom
+from ..recovery import Recovery
+from ..result import FitError
+from ..runner import Runner
+from ..state import RunState
+
+
+class Single:
+    looks_ahead = False  # a batch is read when its step comes
+    ranks = ()
+
+    def __init__(
+        self,
+        runner: Runner,
+        recovery: Recovery,
+        boundary: Boundary,
+        state: RunState,
+        generators: Generators,
+        buffers: Buffers,
+    ) -> None:
+        self.runner, self.recovery, self.boundary, self.state = runner, recovery, boundary, state
+        self.generators, self.buffers = generators, buffers
+
+    def start(self) -> None:
+        reason = self.recovery.no_budget_left()
+        if reason:
+            raise FitError(reason)
+
+    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, bool]]:
+        for batch in data:
+            yield batch, True
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def end(self, epochs_done: int) -> None:
+        pass
+
+    def at_boundary(self) -> bool:
+        return self.boundary.passed()
+
+    def train(self, batch: Any, has_next: bool) -> bool | None:
+        """Train on one global batch, retrying it after OOMs; None: stopped before it was trained."""
+        self.generators.start()
+        self.buffers.save()
+        retries = 0
+        try:
+            while True:
+                size = self.state.micro_batch_now()
+                self.runner.start(batch, size)
+                oom = self._attempt(batch, size)
+                if oom is None:
+                    return True
+                self.recovery.drop_step()
+                retries += 1
+                if not self.recovery.recover(oom, retries, batch):
+                    return None
+        finally:
+            self.generators.end()
+
+    def _attempt(self, batch: Any, size: int) -> OomInfo | None:
+        """One try at a global batch in micro-batches of `size`; the OOM if it ran out of memory."""
+        runner = self.runner
+        pieces = runner.cut(batch, size)
+        at = Progress()
+        loss_sum: torch.Tensor | None
+        try:
+            if len(pieces) == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
+                loss = runner.forward(batch)
+                at.phase = "backward"
+                runner.backward(loss)
+                runner.piece_done()
+                loss_sum = loss.detach()
+                del loss
+            else:
+                counts, units = runner.counts(pieces, size)
+                if not units:
+                    raise self.recovery.no_items(everywhere=False)
+                loss_sum, _ = run_pieces(
+                    pieces,
+                    counts,
+                    units,
+                    runner.forward,
+                    runner.backward,
+                    lambda n: n / units,
+                    after=runner.piece_done,
+                    at=at,
+                )
+            at.phase = "optimizer"
+            runner.optimizer_step()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return self.recovery.caught(exc, at.phase, size)
+        assert loss_sum is not None  # the batch had at least one piece with items
+        runner.done(loss_sum, len(pieces))
+        return None
+
+    def close(self) -> None:
+        pass
