@@ -215,7 +215,7 @@ def worker(out: str, config: dict[str, Any]) -> None:
 
             write(out, result)
     finally:
-        gc.collect()  # DDP wrappers before their group (see gputui/engine/distributed.py's _destroy)
+        gc.collect()  # DDP wrappers before their group (see gputui/engine/strategies/group.py's _destroy)
         dist.destroy_process_group()
 
 
@@ -314,7 +314,7 @@ def probe(name: str, batch: int, steps: int) -> dict[str, Any]:
     from workloads import make
 
     import gputui
-    from gputui.engine.distributed import Distributed
+    from gputui.engine.strategies.wrapper import Distributed
 
     calls: list[tuple[str, int, str, float]] = []
     methods: dict[str, list[float]] = {"exchange": [], "agree_valid": []}

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ..step.checkpointing import Checkpointing
 from ..step.precision import Precision
@@ -19,8 +19,18 @@ from .planhook import PlanningHook
 from .session import RunSession
 from .state import RunState
 
-if TYPE_CHECKING:
-    from .distributed import Distributed
+
+class Job(Protocol):
+    """Under torchrun, what the last exchange said of the job (strategies/exchange.py's Agreement): a
+    resize acts on the job's sizes, so every rank decides alike."""
+
+    @property
+    def ranks(self) -> Sequence[Any]: ...
+
+    def job_sizes(self) -> tuple[int, int]: ...
+
+    def resized(self, micro_batch: int) -> None: ...
+
 
 REPEATED_SIGNAL_S = 2.0
 """Under torchrun a Ctrl-C reaches a rank twice (from the terminal, then passed on by torchrun): a
@@ -36,10 +46,11 @@ class Boundary:
         precision: Precision,
         checkpointing: Checkpointing,
         planning: PlanningHook,
-        group: Distributed | None,
+        agreement: Job | None,
     ) -> None:
         self.hub, self.session, self.state = hub, session, state
-        self.precision, self.checkpointing, self.planning, self.group = precision, checkpointing, planning, group
+        self.precision, self.checkpointing, self.planning = precision, checkpointing, planning
+        self.agreement = agreement  # under torchrun: what the last exchange said of the job
         self.signal: str | None = None  # SIGINT's or SIGTERM's reason, set by the handler
         self._handlers: dict[str, Callable[[Control], bool]] = {
             "halve_batch": self._resize,
@@ -100,10 +111,10 @@ class Boundary:
         return self._handlers[control.action](control)
 
     def _resize(self, control: Control) -> bool:
-        state, group, sizing = self.state, self.group, self.state.sizing
+        state, agreement, sizing = self.state, self.agreement, self.state.sizing
         current, batch = state.micro_batch_now(), state.batch_size
-        if group is not None and group.ranks:  # the job's (the largest rank's): every rank decides alike
-            current, batch = group.job_sizes()
+        if agreement is not None and agreement.ranks:  # the job's (the largest rank's): every rank decides alike
+            current, batch = agreement.job_sizes()
         if control.action == "halve_batch":
             why = sizing.why_not_halve(current)
             if why:
@@ -116,8 +127,8 @@ class Boundary:
         details: dict[str, Any] = {"from": current, "to": new}
         self.session.emit("micro_batch_changed", control, **details, accumulation=state.accumulation_at(new))
         state.micro_batch = new
-        if group is not None:
-            group.resized(new)
+        if agreement is not None:
+            agreement.resized(new)
         return True
 
     def _set_amp(self, control: Control) -> bool:
@@ -157,7 +168,7 @@ class Boundary:
             return lambda: None  # the TUI's worker thread: the app handles keys, the runner signals
         names: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
         previous = {sig: signal.getsignal(sig) for sig in names}
-        shared = self.group is not None
+        shared = self.agreement is not None
         first: list[float] = []
 
         def handler(signum: int, frame: Any) -> None:

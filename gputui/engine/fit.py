@@ -43,7 +43,7 @@ def fit(
     `epochs=None` means one epoch, or as many as `max_steps` needs when that is given; with
     both, training stops at whichever comes first. Options given on the gputui command line
     win over the same arguments here. `distributed="auto"`: under torchrun, every rank trains its
-    share of each global batch through DistributedDataParallel (see engine/distributed.py).
+    share of each global batch through DistributedDataParallel (see engine/strategies/).
     `items(batch) -> count`: what the loss is a mean over (tokens that count); micro-batches are then
     weighted by their items, not their samples, so their gradients add up to the global batch's.
     """

@@ -5,7 +5,7 @@ this decides what (drop the attempt, the micro-batch to retry at, or the run's e
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,12 +14,9 @@ from ..units import format_bytes
 from .boundary import Boundary
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planhook import PlanningHook
-from .result import FitError
+from .result import Agreed, Failure, FitError
 from .session import RunSession
 from .state import RunState
-
-if TYPE_CHECKING:
-    from .distributed import Agreed, Distributed
 
 MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
@@ -244,12 +241,12 @@ class Recovery:
             f"peak nears its capacity; this came first) [{detail}]"
         )
 
-    def job_error(self, d: Distributed, agreed: Agreed, closing: bool = False) -> FitError:
+    def job_error(self, failure: Failure | None, agreed: Agreed, closing: bool = False) -> FitError:
         """The error every rank raises together after a step some rank could not train (`closing`: at
         the exchange after the last step)."""
-        if d.failure is not None:
-            error = FitError(d.failure.message)
-            error.__cause__ = d.failure.error
+        if failure is not None:
+            error = FitError(failure.message)
+            error.__cause__ = failure.error
             return error
         if agreed.fatal:
             ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"

@@ -1,4 +1,5 @@
-"""What fit() returns, and the error it raises when a run cannot go on."""
+"""What fit() returns, the error it raises when a run cannot go on, and under torchrun what a rank's
+step failed with and what the ranks agreed (plain dataclasses: no torch)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ class FitError(RuntimeError):
     """
 
     result: FitResult | None = None
+
+
+@dataclass
+class Failure:
+    """What ended this rank's step: said at the exchange, then raised on every rank."""
+
+    message: str
+    oom: bool
+    error: BaseException | None = None
+
+
+@dataclass
+class Agreed:
+    """What the exchange told every rank (the same on each)."""
+
+    items: int
+    """What the step's loss is a mean over, summed over all ranks: the global batch's samples, or the
+    items fit(items=) counts in it (tokens). Each rank's gradient is weighted by its share of this."""
+    all_have_batch: bool
+    all_have_next: bool
+    fatal: int
+    fatal_oom: int
+    fatal_ranks: list[int]
+    stop: str | None

@@ -59,9 +59,9 @@ class Trainer:
         self.hub = hub
         shared = is_shared(o.distributed, model)
         if shared:
-            from . import distributed
+            from .strategies.group import device_for
 
-            device = resolve_device(distributed.device_for(o.device))
+            device = resolve_device(device_for(o.device))
         else:
             device = resolve_device(o.device)
         self.device = device
@@ -72,12 +72,14 @@ class Trainer:
         if o.checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(device)
-        group = None
+        group = agreement = None
         if shared:
+            from .strategies.exchange import Agreement
+            from .strategies.wrapper import Distributed
+
             shard = o.distributed == "fsdp"
-            group = distributed.Distributed(
-                model, device, data, shard=shard, blocks=checkpointing.blocks, optimizer=optimizer
-            )
+            group = Distributed(model, device, data, shard=shard, blocks=checkpointing.blocks, optimizer=optimizer)
+            agreement = Agreement(group.rank, group.world_size, group.device)
             model = group.model
         self.model, self.group = model, group
         model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
@@ -139,7 +141,7 @@ class Trainer:
             auto_micro_batch=o.micro_batch == "auto",
             traceable=group is None or not group.fsdp,
         )
-        self.boundary = Boundary(hub, session, state, precision, checkpointing, self.planning, group)
+        self.boundary = Boundary(hub, session, state, precision, checkpointing, self.planning, agreement)
         self.recovery = Recovery(
             optimizer, generators, buffers, session, state, self.boundary, self.planning, shared=group is not None
         )
@@ -147,13 +149,13 @@ class Trainer:
             model, step, optimizer, o.scheduler, o.items, device, precision, checkpointing, buffers, session, state
         )
         parts = (self.runner, self.recovery, self.boundary, state, generators, buffers)
-        if group is None:
+        if group is None or agreement is None:
             self.strategy: Any = Single(*parts)
         else:
             from .strategies.ddp import Ddp
             from .strategies.fsdp import Fsdp
 
-            self.strategy = (Fsdp if group.fsdp else Ddp)(group, hub, *parts)
+            self.strategy = (Fsdp if group.fsdp else Ddp)(group, agreement, hub, *parts)
         self.more = True  # under torchrun: whether every rank has another batch, as the last step said
         self._warned_loss = False
 

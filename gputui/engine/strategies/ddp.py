@@ -2,7 +2,7 @@
 
 The rule that keeps a job from hanging: a rank handles an OOM alone only while it has issued no
 collective in the step. Its pieces but the last run under no_sync(), then the last one's forward;
-then the step's one exchange (engine/distributed.py) says what every rank did; then the synced
+then the step's one exchange (exchange.py) says what every rank did; then the synced
 backward (an OOM there is rescued: this rank completes the buckets the others wait for, and every
 rank replays), the buffers' broadcast and optimizer.step().
 """
@@ -18,12 +18,13 @@ import torch
 from ...step.pieces import Progress, run_pieces
 from ...telemetry.hub import Hub
 from ..boundary import Boundary
-from ..distributed import Agreed, Distributed, Failure
 from ..oom import Buffers, Generators, OomInfo, drop, is_oom
 from ..recovery import MAX_RETRIES, Recovery
-from ..result import FitError
+from ..result import Agreed, Failure, FitError
 from ..runner import Runner
 from ..state import RunState
+from .exchange import Agreement
+from .wrapper import Distributed
 
 HEARTBEAT_S = 1.0
 """While paused, the ranks exchange this often (far within any process group's timeout)."""
@@ -49,6 +50,7 @@ class Ddp:
     def __init__(
         self,
         group: Distributed,
+        agreement: Agreement,
         hub: Hub,
         runner: Runner,
         recovery: Recovery,
@@ -57,7 +59,8 @@ class Ddp:
         generators: Generators,
         buffers: Buffers,
     ) -> None:
-        self.group, self.hub, self.runner, self.recovery, self.boundary = group, hub, runner, recovery, boundary
+        self.group, self.agreement, self.hub = group, agreement, hub
+        self.runner, self.recovery, self.boundary = runner, recovery, boundary
         self.state, self.generators, self.buffers = state, generators, buffers
         self.session = runner.session
         self._cooling = 0  # steps before the OOM prevention looks at the peaks again
@@ -65,12 +68,12 @@ class Ddp:
 
     @property
     def ranks(self) -> Any:
-        return self.group.ranks
+        return self.agreement.ranks
 
     def start(self) -> None:
         reason = self.recovery.no_budget_left()
         if reason:
-            self.group.failure = Failure(reason, oom=True)  # said at the first exchange
+            self.agreement.failure = Failure(reason, oom=True)  # said at the first exchange
 
     def set_epoch(self, epoch: int) -> None:
         self.group.set_epoch(epoch)  # a DistributedSampler shuffles by its epoch
@@ -90,39 +93,40 @@ class Ddp:
         """The next batch; one the data cannot give (a worker's error) is this rank's failure, said at
         the exchange, instead of an exception the other ranks would wait on."""
         d = self.group
-        if d.failure is not None:
+        if self.agreement.failure is not None:
             return end
         try:
             return next(batches, end)
         except Exception as exc:
-            d.failure = Failure(f"{type(exc).__name__} on rank {d.rank} reading the data: {exc}", oom=False, error=exc)
+            self.agreement.failure = Failure(
+                f"{type(exc).__name__} on rank {d.rank} reading the data: {exc}", oom=False, error=exc
+            )
             return end
 
     def end(self, epochs_done: int) -> None:
         """One closing exchange: a failure said after the last step (an optimizer.step() that failed
         there) reaches every rank, which raise FitError together."""
-        d = self.group
-        d.set_epoch(epochs_done)  # a later fit on the same sampler goes on with the next shuffle
-        agreed = d.exchange(items=None, has_next=False, stop=None)
+        self.group.set_epoch(epochs_done)  # a later fit on the same sampler goes on with the next shuffle
+        agreed = self.agreement.exchange(items=None, has_next=False, stop=None)
         if agreed.fatal:
-            raise self.recovery.job_error(d, agreed, closing=True)
+            raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
 
     # -- the boundary -----------------------------------------------------------------------
     def at_boundary(self) -> bool:
         """One rank's boundary: apply what the last exchange announced (every rank the same, so every
         rank the same state), then keep what was requested here for the next exchange. A stop, a
         signal or a control on one rank reaches the others there, one step later."""
-        d, state = self.group, self.state
+        state = self.state
         self._align()
         self._prevent()
-        self.boundary.apply_all(d.take_agreed())
+        self.boundary.apply_all(self.agreement.take_agreed())
         while self.session.paused and state.stop_reason is None:
             # Every rank paused at this boundary together: a heartbeat exchange a second keeps the
             # process group within its timeout and brings a resume, a stop or a control from any rank.
             self.hub.controls.wait(HEARTBEAT_S)
             self._queue_asked()
             self.exchange(here=True, has_next=True)
-            self.boundary.apply_all(d.take_agreed())
+            self.boundary.apply_all(self.agreement.take_agreed())
         if state.stop_reason is not None:  # agreed at the last exchange
             return False
         self._queue_asked()
@@ -130,7 +134,7 @@ class Ddp:
 
     def _align(self) -> None:
         """Every rank to the smallest micro-batch setting any rank had at the last exchange."""
-        aligned = self.group.aligned()
+        aligned = self.agreement.aligned()
         state = self.state
         if aligned is None or aligned[0] == state.micro_batch:
             return
@@ -152,22 +156,22 @@ class Ddp:
             self._cooling -= 1
             return
         d, state = self.group, self.state
-        if not state.auto_recover or not d.ranks:
+        if not state.auto_recover or not self.agreement.ranks:
             return
-        shares = [(r.peak / r.capacity, r.rank) for r in d.ranks if r.peak is not None and r.capacity]
+        shares = [(r.peak / r.capacity, r.rank) for r in self.agreement.ranks if r.peak is not None and r.capacity]
         share, rank = max(shares) if shares else (0.0, 0)
-        if d.thrashing:
-            reason = f"rank {d.thrashing[0]}'s allocator thrashing (retrying allocations step after step)"
+        if self.agreement.thrashing:
+            reason = f"rank {self.agreement.thrashing[0]}'s allocator thrashing (retrying allocations step after step)"
         elif d.fsdp and share >= PREVENT_AT:
             reason = f"rank {rank}'s step peak at {share:.0%} of its capacity (under FSDP an OOM ends the run)"
         else:
             return
-        current, _ = d.job_sizes()
+        current, _ = self.agreement.job_sizes()
         if not state.sizing.can_halve(current):
             return
         new = state.sizing.halved(current)
         state.micro_batch, self._cooling = new, 2
-        d.resized(new)
+        self.agreement.resized(new)
         details: dict[str, Any] = {"from": current, "to": new, "accumulation": state.accumulation_at(new)}
         self.session.emit("micro_batch_changed", **details, reason=reason)
 
@@ -179,7 +183,7 @@ class Ddp:
                 self.session.apply(control)  # refused with its reason, here and now
             else:
                 outgoing.append(control)
-        self.group.queue(outgoing)
+        self.agreement.queue(outgoing)
 
     def exchange(self, *, here: bool, has_next: bool) -> Agreed:
         """The exchange with what this rank says: its batch (`here`), a signal, its micro-batch and
@@ -187,7 +191,7 @@ class Ddp:
         d, state, recovery = self.group, self.state, self.recovery
         signalled = self.boundary.signalled()
         memory, latest = state.memory, self.hub.latest()
-        agreed = d.exchange(
+        agreed = self.agreement.exchange(
             items=state.units if here else None,
             has_next=has_next,
             stop=signalled,
@@ -204,7 +208,9 @@ class Ddp:
         recovery.thrashing = False  # said
         if agreed.stop is not None and state.stop_reason is None:
             state.stop_reason = signalled or agreed.stop
-        for r in d.ranks:  # another rank's OOM, recovered alone: said here too (each screen shows one rank)
+        for (
+            r
+        ) in self.agreement.ranks:  # another rank's OOM, recovered alone: said here too (each screen shows one rank)
             if r.rank != d.rank and r.ooms > self._ooms_seen.get(r.rank, 0):
                 self.session.emit("rank_oom_recovered", rank=r.rank, ooms=r.ooms, micro_batch=r.micro_batch)
             self._ooms_seen[r.rank] = r.ooms
@@ -225,7 +231,7 @@ class Ddp:
             while True:
                 attempt += 1
                 last = None
-                while d.failure is None and batch is not None:
+                while self.agreement.failure is None and batch is not None:
                     outcome = self._forward(batch)
                     if not isinstance(outcome, OomInfo):
                         last = outcome
@@ -236,12 +242,12 @@ class Ddp:
                     recovery.drop_step()  # this rank's no_sync gradients, draws and running statistics
                     said = recovery.alone(outcome, attempt, d.rank)
                     if said is not None:
-                        d.failure = Failure(said, oom=True)
+                        self.agreement.failure = Failure(said, oom=True)
                     attempt += 1
                 agreed = self.exchange(here=batch is not None, has_next=has_next)
                 if agreed.fatal or not agreed.all_have_batch:
                     recovery.drop_step()
-                    raise recovery.job_error(d, agreed)
+                    raise recovery.job_error(self.agreement.failure, agreed)
                 assert last is not None
                 done, oom = self._synced(agreed, last, attempt)
                 d.rebuild_buckets()
@@ -257,7 +263,7 @@ class Ddp:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
         collective. Returns the OOM when this rank ran out of memory (it replays alone unless
         d.prepared says DDP's synced forward returned before it); None when it failed otherwise
-        (d.failure says how)."""
+        (self.agreement.failure says how)."""
         d, runner, state = self.group, self.runner, self.state
         size = state.micro_batch_now()
         runner.start(batch, size)
@@ -285,12 +291,12 @@ class Ddp:
                 return self.recovery.caught(exc, at.phase, size)
             message = str(exc)
             if d.ours and "find_unused_parameters" in message:  # DDP's advice names a constructor fit called
-                from ..distributed import UNUSED
+                from .wrapper import UNUSED
 
                 message = f"{UNUSED} [{message.splitlines()[0]}]"
             if not isinstance(exc, FitError):
                 message = f"{type(exc).__name__} on rank {d.rank}, step {state.steps + 1}: {message}"
-            d.failure = Failure(message, oom=False, error=exc)
+            self.agreement.failure = Failure(message, oom=False, error=exc)
         return None
 
     def _sync(self, last: bool) -> AbstractContextManager[Any]:
@@ -330,7 +336,9 @@ class Ddp:
             fatal = not (oom and state.auto_recover and halvable and attempt <= MAX_RETRIES)
             if not d.failed_synced(fatal):  # after its gradients went out: the others step on them
                 recovery.drop_step()
-                d.failure = Failure(f"{failed.message} after the synced backward on rank {d.rank}", oom=oom)
+                self.agreement.failure = Failure(
+                    f"{failed.message} after the synced backward on rank {d.rank}", oom=oom
+                )
                 return False, None  # said at the next exchange, where every rank stops
             # What the zeros must reach, then the failed graph let go before they are allocated: this
             # rank has just run out of memory.
@@ -365,7 +373,7 @@ class Ddp:
             # this rank ends the step as they do and says it at the next exchange (or the closing
             # one), where every rank raises FitError together.
             message, was_oom = recovery.optimizer_failed(exc, d.rank)
-            d.failure = Failure(message, oom=was_oom, error=None if was_oom else exc)
+            self.agreement.failure = Failure(message, oom=was_oom, error=None if was_oom else exc)
         runner.done(loss_sum, count)
         return True, None
 

@@ -9,10 +9,10 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ...step.pieces import Progress, run_pieces
-from ..distributed import Failure, is_transport, lost_ranks
 from ..oom import is_oom
-from ..result import FitError
+from ..result import Failure, FitError
 from .ddp import Ddp
+from .group import abort, is_transport, lost_ranks
 
 
 class Fsdp(Ddp):
@@ -22,14 +22,14 @@ class Fsdp(Ddp):
             self._count_share(batch)
         agreed = self.exchange(here=batch is not None, has_next=has_next)
         if agreed.fatal or not agreed.all_have_batch:
-            raise recovery.job_error(d, agreed)
+            raise recovery.job_error(self.agreement.failure, agreed)
         if not agreed.items:
             raise recovery.no_items(everywhere=True)
         total, world = state.batch_size, d.world_size
         # Every rank runs as many passes as the one that needs the most (each all-gathers): a rank
         # with fewer samples splits its share finer, and one with fewer samples than passes repeats
         # its last piece at weight 0.
-        count = d.passes(state.micro_batch)
+        count = self.agreement.passes(state.micro_batch)
         size = -(-total // count)
         runner.start(batch, size)
         pieces = runner.cut(batch, size)
@@ -76,7 +76,7 @@ class Fsdp(Ddp):
         except Exception as exc:
             message = str(exc) if isinstance(exc, FitError) else f"{type(exc).__name__}: {exc}"
             where = f"rank {d.rank}, step {state.steps + 1}, counting items"
-            d.failure = Failure(f"{where}: {message}", oom=False, error=exc)
+            self.agreement.failure = Failure(f"{where}: {message}", oom=False, error=exc)
 
     def _failure(self, exc: Exception, phase: str, size: int) -> FitError:
         """This rank cannot complete the collectives the others are in: it leaves the group (a group
@@ -88,5 +88,5 @@ class Fsdp(Ddp):
             error = self.recovery.fsdp_failure(exc, phase, size, d.rank)
         else:  # another rank left: this one did nothing wrong
             error = lost_ranks(exc)  # before abort(): it names this rank from the group
-        d.abort()
+        abort()
         return error

@@ -1,0 +1,151 @@
+"""fit's process group: joined (or made, and then destroyed at exit), its collectives, and what a
+rank says when another left. Loaded only under torchrun (WORLD_SIZE > 1) or for a model in DDP."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import time
+import warnings
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..result import FitError
+
+_warned_sampler = False
+_group_ours = False  # the default process group is one a fit made (this process's first, or after an abort)
+
+
+def join(device: torch.device) -> None:
+    """This rank in the default process group: the script's, or one fit makes (nccl on a GPU, gloo on
+    a CPU), destroyed when the process ends."""
+    global _group_ours
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        if not _group_ours:
+            atexit.register(_destroy)  # the script made no group: ours goes when the process does
+        _group_ours = True
+
+
+def abort() -> None:
+    """After a failure under FSDP that this rank cannot complete its collectives from: a group fit
+    made goes now, so the other ranks' collectives fail at once instead of at the timeout."""
+    if _group_ours and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device_for(device: str | torch.device | None) -> str | torch.device | None:
+    """Each rank on its own GPU: cuda:LOCAL_RANK when the device is unnamed or just "cuda"."""
+    if torch.cuda.is_available() and (device is None or str(device) == "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def job_id() -> str:
+    """What every rank of one torchrun job shares and no other job does: its run id (torchrun makes
+    one up when none is given) and where its ranks met."""
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}@{where}"
+
+
+def collective(op: Any, *args: Any) -> None:
+    """One of fit's own collectives; a peer gone (killed, crashed, its node lost) is a FitError that
+    says so, not the transport's traceback."""
+    try:
+        op(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's and nccl's errors
+        raise lost_ranks(exc) from None
+
+
+def lost_ranks(exc: BaseException) -> FitError:
+    """The FitError of a rank whose collective failed because another rank left."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return FitError(
+        f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
+        f"says why) [{message}]"
+    )
+
+
+def is_transport(exc: BaseException) -> bool:
+    """An error of the collectives' transport (a peer gone, a timeout), not of this rank's step: a
+    collective inside FSDP's forward or backward fails so, not through _collective."""
+    text = str(exc)
+    return type(exc).__name__.startswith("Dist") or any(
+        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
+    )
+
+
+def distributed_sampler(data: Any) -> DistributedSampler[Any] | None:
+    if not isinstance(data, DataLoader):
+        return None
+    for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def warn_sampler(rank: int) -> None:
+    """Once a process, on rank 0: every rank would train on the same batches."""
+    global _warned_sampler
+    if _warned_sampler or rank != 0:
+        return
+    _warned_sampler = True
+    warnings.warn(
+        "gputui.fit under torchrun: data is a DataLoader without a DistributedSampler, so every rank "
+        "trains on the same batches; pass DataLoader(..., sampler=DistributedSampler(dataset, "
+        "num_replicas=world_size, rank=rank)) (WORLD_SIZE and RANK from the environment)",
+        stacklevel=5,
+    )
+
+
+def _destroy() -> None:
+    """The group goes before the interpreter does, after the DDP wrappers fit left to the garbage
+    collector: one torn down at interpreter exit with its group gone aborted the process
+    (SIGABRT, "terminate called without an active exception") in about 1 launch in 10. Then the
+    group's gloo workers finish what they hold (_let_workers_finish), even where the group went
+    earlier (abort) or lives on in what still holds it (a sharded model, torch's DTensor caches)."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+    _let_workers_finish()
+
+
+def _let_workers_finish(limit_s: float = 5.0) -> None:
+    """Wait, the GIL released, until the gloo worker threads of this process are done (at most
+    `limit_s`). A worker drops a finished collective after its caller has moved on, and dropping it
+    takes the GIL (its tensors and the thread-local state it captured are Python objects): once the
+    interpreter is finalizing, taking the GIL ends the thread (pthread_exit) inside a C++ destructor,
+    which aborts the process (SIGABRT, "terminate called without an active exception"). A rank that
+    leaves right after its last collective (an OOM under FSDP, then exit) on a busy machine got there
+    before its starved worker did in about 1 launch in 7.
+
+    Done: no worker runnable twice in a row, each look after 10 ms without the GIL (a worker waiting
+    for it gets it then, or is still runnable). Torch names the threads pt_gloo_runloop; where psutil
+    cannot read a thread as a process (not Linux), there is nothing to wait for."""
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        quiet = 0 if _gloo_running() else quiet + 1
+
+
+def _gloo_running() -> bool:
+    """Whether a gloo worker thread of this process is runnable now (psutil reads Linux's threads as processes)."""
+    for thread in psutil.Process().threads():
+        try:
+            task = psutil.Process(thread.id)
+            if task.name() == "pt_gloo_runloop" and task.status() == psutil.STATUS_RUNNING:
+                return True
+        except psutil.Error:  # ended meanwhile, or not a process here
+            continue
+    return False
