@@ -133,6 +133,7 @@ class FitOptions:
     snapshot_dir: str | os.PathLike[str] | None = None
     distributed: str = "auto"
     items: Callable[[Any], Any] | None = None
+    planning: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
@@ -143,6 +144,10 @@ class FitOptions:
             _positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):
             raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')
+        if self.planning not in ("auto", "asked", "off"):
+            raise ValueError(f'planning must be "auto", "asked" or "off", got {self.planning!r}')
+        if self.planning == "off" and self.micro_batch == "auto":
+            raise ValueError('micro_batch="auto" needs the planner, and planning="off" never traces a step')
 
 
 def fit(
@@ -167,6 +172,7 @@ def fit(
     snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
     distributed: str = "auto",
     items: Callable[[Any], Any] | None = None,
+    planning: str = "auto",
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
@@ -176,6 +182,9 @@ def fit(
     share of each global batch through DistributedDataParallel (see engine/distributed.py).
     `items(batch) -> count`: what the loss is a mean over (tokens that count); micro-batches are then
     weighted by their items, not their samples, so their gradients add up to the global batch's.
+    `planning`: "auto" traces the step on fake tensors when it helps (after an OOM, near capacity,
+    micro_batch="auto", a plan asked for), "asked" only for micro_batch="auto" and a plan asked for,
+    "off" never (a trace runs step() once more: README, "The planner").
     """
     options = FitOptions(
         epochs=epochs,
@@ -194,6 +203,7 @@ def fit(
         snapshot_dir=snapshot_dir,
         distributed=distributed,
         items=items,
+        planning=planning,
     )
     return _Trainer(model, data, step, optimizer, options).run()
 
@@ -279,6 +289,7 @@ class _Trainer:
         self._auto_micro_batch = o.micro_batch == "auto"
         self._checkpoint_modules = o.checkpoint_modules
         self.planner: Planner | None = None  # made the first time a prediction is asked for
+        self._planning = o.planning
         self._sharded = self.dist is not None and self.dist.fsdp
         self._shapes: Hashable = None  # the batch's shapes, as the last _train saw them
         self.auto_recover = o.auto_recover
@@ -359,6 +370,8 @@ class _Trainer:
         finally:
             if error is not None:
                 self.session.emit("error", message=error)
+            if self.planner is not None:
+                self.planner.abandon("the run ended before the plan was complete")
             restore_signals()
             self.generators.close()
             self.checkpointing.remove()
@@ -374,7 +387,7 @@ class _Trainer:
             trained = 0
             for batch in self.data:
                 self.batch_size = batch_size(batch)
-                if not self._boundary():
+                if not self._boundary(batch):
                     return
                 self._plan_at_boundary(batch)
                 if not self._train(batch):
@@ -452,14 +465,20 @@ class _Trainer:
             epoch += 1
 
     # -- the step boundary ------------------------------------------------------------------
-    def _boundary(self) -> bool:
-        """Apply every queued control; while paused, wait here. False: stop before the next step."""
+    def _boundary(self, batch: Any = None) -> bool:
+        """Apply every queued control; while paused, wait here (a plan asked for is made meanwhile, on
+        `batch`). False: stop before the next step."""
         if self.dist is not None:
             return self._boundary_shared(self.dist)
         hub = self.hub
         if hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
-            self._apply_queued()
-            self.session.wait_while_paused(self._apply_queued, self._stopping)
+
+            def apply() -> None:
+                self._apply_queued()
+                self._plan_paused(batch)
+
+            apply()
+            self.session.wait_while_paused(apply, self._stopping)
         if self._signal is None and hub.stop_signal is None:  # most boundaries: _stopping() has nothing to take
             return self.stop_reason is None
         return not self._stopping()
@@ -1201,10 +1220,16 @@ class _Trainer:
             )
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
+        # With the batch (one process) the planner's table for the dialog is made first, and plans
+        # asked for meanwhile are made while waiting.
         session = self.session
-        session.emit("oom", **details, recovered=False, waiting=True)
+        planner = self._get_planner() if batch is not None else None
+        planning = planner is not None and planner.plans_itself
+        session.emit("oom", **details, recovered=False, waiting=True, planning=planning)
         session.paused = True
         session.emit("paused", reason="oom")
+        if planner is not None and planning:
+            planner.oom(self._setting(oom.micro_batch), batch, shapes(batch), self._capacity())
 
         def apply() -> None:
             for control in self._apply_queued():
@@ -1213,7 +1238,9 @@ class _Trainer:
                         session.paused = False
                         session.emit("resumed", reason=control.action)
                     session.clear_rate()
+            self._plan_paused(batch)
 
+        apply()
         session.wait_while_paused(apply, self._stopping)
         return not self._stopping()
 
@@ -1232,8 +1259,18 @@ class _Trainer:
                 min_micro_batch=self.sizing.floor,
                 amp_unsupported=self.precision.unsupported,
                 emit=self.session.emit,
+                refuse=self.session.refuse,
+                automatic=self._planning == "auto",
             )
         return self.planner
+
+    def _plan_paused(self, batch: Any) -> None:
+        """Paused (by the user, or at an OOM): a plan asked for is made at once on `batch`, the one the
+        next step trains (no step waits on it)."""
+        planner = self.planner
+        if self.session.paused and planner is not None and planner.pending and batch is not None:
+            self._shapes = shapes(batch)
+            planner.work(self._setting(), batch, self._shapes, self.batch_size, self._capacity(), paused=True)
 
     def _setting(self, micro_batch: int | None = None) -> Setting:
         size = self._micro_batch() if micro_batch is None else micro_batch
@@ -1409,6 +1446,8 @@ class _Trainer:
             total = self.max_steps if total is None else min(total, self.max_steps)
         unavailable = self.checkpointing.unavailable()
         refused = {"set_checkpointing": unavailable} if unavailable else {}
+        if self._planning == "off":
+            refused["plan"] = 'planning="off": this run never traces its step'
         self.session.start(
             mode="fit",
             model=self.dist.model_name if self.dist is not None else type(self.model).__name__,

@@ -216,7 +216,7 @@ class GputuiApp(App[int]):
         """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs)."""
         with self.batch_update():
             self.main.update()
-            if isinstance(self.screen, (Overlay, ConfirmQuit)):
+            if isinstance(self.screen, (Overlay, ConfirmQuit, OomScreen)):
                 self.screen.update()
         availability = tuple(self.why_not(k.action) for k in KEYS)
         if availability != self._availability:
@@ -226,6 +226,7 @@ class GputuiApp(App[int]):
         if oom is not None and oom is not self._oom_shown:
             self._oom_shown = oom
             why = {k.control: self.why_not(k.action) for k in KEYS if k.control}
+            why["plan"] = self.view.cannot_send("plan", self.source.watch_only)  # the w its hint names
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
         if self.view.signalled and not self._quitting:
             self.leave_when_done(self.view.signalled)
