@@ -7,7 +7,8 @@ import time
 import pytest
 
 from gputui.telemetry import server as server_module
-from gputui.telemetry.client import Connection, Mirror, checked
+from gputui.telemetry.checks import checked
+from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.output import LINE_LIMIT, OutputLog
 from gputui.telemetry.protocol import ProtocolError

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gputui.telemetry import protocol
-from gputui.telemetry.client import Connection, checked
+from gputui.telemetry.checks import checked
+from gputui.telemetry.client import Connection
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.protocol import ProtocolError, clean, encode, parse_server
 from gputui.telemetry.run import RunInfo
