@@ -12,7 +12,8 @@ from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.output import LINE_LIMIT, OutputLog
 from gputui.telemetry.protocol import ProtocolError
-from gputui.telemetry.server import OUTPUT_CHARS, OUTPUT_LINES, RECENT_OUTPUT, TelemetryServer
+from gputui.telemetry.server import TelemetryServer
+from gputui.telemetry.server.printed import OUTPUT_CHARS, OUTPUT_LINES, RECENT_OUTPUT
 from gputui.tui.remote import RemoteSource
 from gputui.tui.sources import LocalSource
 
