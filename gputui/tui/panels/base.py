@@ -1,9 +1,10 @@
 """What every panel of the main screen is made of.
 
-A panel is given what it shows (the RunView, the script's output) and renders from it; the screen
-asks each to redraw after a pull, which it does only when the key of what it shows (`shows()`)
-changed since it last drew. The charts' panels draw line by line (a LinePanel) and refresh only the
-lines that changed: a frame costs the same however long the run. Also here: what several panels lay out with (flow, swatch, legend, axis).
+A panel is given what it shows (the RunView, the script's output) and renders from it. After each
+pull the screen has each panel take the key of what it shows (`shows()`) into `shown`, a Textual
+reactive: a key that changed repaints the panel, the same key leaves it alone. The charts' panels
+draw line by line (a LinePanel) and refresh only the lines that changed: a frame costs the same
+however long the run. Also here: what several panels lay out with (flow, swatch, legend, axis).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.geometry import Region, Size
+from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
-from ..chart import Chart, Row, Series
+from ..chart import Chart, Row
 from ..view import RunView
 
 GAP, DOT = "  ", " · "  # between the entries of a legend, between figures
@@ -54,11 +56,13 @@ def legend(title: str, lines: Sequence[tuple[str, str]]) -> Text:
 class Panel(Widget):
     """A widget drawn from data it was given; redrawn only when that data changed."""
 
-    _drawn: Hashable = None
-    _titled: Text | None = None
+    shown: reactive[Hashable] = reactive(None, repaint=False, init=False)
+    """The key of what the panel shows (set by redraw()): the same key, the same picture."""
+    heading: reactive[Text | None] = reactive(None, repaint=False, init=False)
+    """The border title the panel makes (set by redraw() and on a resize), where it makes one."""
 
     def shows(self) -> Hashable:
-        """A cheap key of what the panel shows: the same key, the same picture."""
+        """A cheap key of what the panel shows."""
         raise NotImplementedError
 
     def title(self) -> Text | None:
@@ -66,12 +70,16 @@ class Panel(Widget):
         return None
 
     def redraw(self) -> None:
-        """Refresh if what the panel shows changed since it last drew (a resize redraws by itself)."""
-        self._retitle()
-        key = self.shows()
-        if key != self._drawn:
-            self._drawn = key
-            self.repaint()
+        """Take in what the panel shows now: it repaints if that changed (a resize redraws by itself)."""
+        self.heading = self.title()
+        self.shown = self.shows()
+
+    def watch_shown(self) -> None:
+        self.repaint()
+
+    def watch_heading(self, title: Text | None) -> None:
+        if title is not None:
+            self.border_title = title  # which refreshes the panel: set only when it changed
 
     def repaint(self) -> None:
         """Draw what the panel shows anew."""
@@ -79,13 +87,7 @@ class Panel(Widget):
         self.refresh(layout=height is not None and height.is_auto)  # its lines may grow or shrink
 
     def on_resize(self, event: events.Resize) -> None:
-        self._retitle()  # a legend shortens on a narrow panel
-
-    def _retitle(self) -> None:
-        title = self.title()
-        if title is not None and title != self._titled:
-            self._titled = title
-            self.border_title = title
+        self.heading = self.title()  # a legend shortens on a narrow panel
 
 
 class RunPanel(Panel):
@@ -178,18 +180,20 @@ def same(a: Text | Row, b: Text | Row) -> bool:
 class ChartPanel(LinePanel):
     """A panel with a chart, drawn anew over the whole width once the run has ended."""
 
+    ended: reactive[tuple[int, bool] | None] = reactive(None, repaint=False, init=False)
+    """(the run's generation, whether it has ended): set before the lines are made."""
+
     def __init__(self, view: RunView, chart: Chart, *, id: str | None = None) -> None:
         super().__init__(view, id=id)
         self.chart = chart
-        self._ended: tuple[int, bool] | None = None
 
-    def read(self, series: list[Series], width: int) -> None:
-        ended = (self.view.generation, not self.view.training)
-        if ended != self._ended:
-            self._ended = ended
-            if ended[1]:
-                self.chart.restart()
-        self.chart.read(series, width)
+    def redraw(self) -> None:
+        self.ended = (self.view.generation, not self.view.training)
+        super().redraw()
+
+    def watch_ended(self, ended: tuple[int, bool]) -> None:
+        if ended[1]:
+            self.chart.restart()
 
 
 def axis(steps: list[int], width: int, extent: int, gutter: int = 8) -> Text:

@@ -84,7 +84,7 @@ class LossPanel(ChartPanel):
         lines: list[Text | Row] = list(flow(head, width))
         rows = height - len(lines) - 1
         if rows >= 2:
-            self.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
+            self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
             lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
             lines.append(axis(v.series.loss.steps, width, self.chart.extent))
         return lines

@@ -60,7 +60,7 @@ class MemoryPanel(ChartPanel):
             h = v.series
             series = [Series(h.reserved.values, CACHED, peaks=True)] if len(h.reserved) else []
             series += [Series(h.peak.values, PEAK, peaks=True), Series(h.allocated.values, ALLOCATED, peaks=True)]
-            self.read(series, width)
+            self.chart.read(series, width)
             peak = self.chart.span(len(series) - 2)[1]
             top = m.capacity if m.capacity and m.capacity < 2 * max(peak, 0) else None
             lines.extend(self.chart.draw(rows, low=0, high=top))
