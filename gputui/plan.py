@@ -11,19 +11,22 @@ step gains nothing from AMP, and halving its micro-batch raises its peak).
 Nothing of the real run is touched: the copy shares no tensor with the model (a deepcopy whose memo
 maps each tensor to its fake), the optimizer is rebuilt over the fake parameters with fake state,
 checkpointing on the copy does not save and restore the process's RNG, and the RNG states are put
-back anyway. Where a step cannot be traced (a shape that depends on data, `.item()` deciding control
+back anyway. The step's own code runs for real: guard.Guard puts back what it changed in the
+script's objects and takes out the tensors it kept. Nothing of the copy outlives the call. Where a
+step cannot be traced (a shape that depends on data, `.item()` deciding control
 flow, a model that cannot be copied), `estimate()` scales a measured step instead and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import random
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from .guard import Guard, Unsafe
 from .probes.cpu import state_tensors
 from .step.checkpointing import find_blocks, find_hugging_face
 from .step.microbatch import batch_size, map_tensors, sizes, split, tensors, to_device
@@ -97,12 +101,12 @@ def predict(
     target = _device(model, device)
     total = batch_size(batch)
     size = min(micro_batch or total, total)
-    with _Restored(target):
-        trace = _Trace(model, optimizer, batch, target)
+    with _Restored(target), Guard(step, model) as guard:
         try:
-            peak, tracked, phase, parts = trace.run(
-                step, size, total, amp, checkpointing, checkpoint_modules, min_micro_batch
-            )
+            peak, tracked, phase, parts, reason = _traced(
+                model, optimizer, batch, target, guard.watch, step, size, total, amp, checkpointing,
+                checkpoint_modules, min_micro_batch,
+            )  # fmt: skip
         except Untraceable:
             raise
         except Exception as exc:
@@ -115,10 +119,25 @@ def predict(
         micro_batch=size,
         amp=amp,
         checkpointing=checkpointing,
-        exact=trace.exact_reason is None,
-        reason=trace.exact_reason,
+        exact=reason is None,
+        reason=reason,
         seconds=time.perf_counter() - started,
     )
+
+
+def _traced(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    device: torch.device,
+    watch: Callable[[torch.Tensor], None],
+    step: Callable[[nn.Module, Any], torch.Tensor],
+    *settings: Any,
+) -> tuple[int, int, str, dict[str, int], str | None]:
+    """The trace, made and run here so that nothing of it outlives this call: the Guard then finds
+    alive only what the script kept."""
+    trace = _Trace(model, optimizer, batch, device, watch)
+    return (*trace.run(step, *settings), trace.exact_reason)
 
 
 def estimate(
@@ -210,9 +229,10 @@ def _key(t: torch.Tensor) -> int:
 class _Counter(TorchDispatchMode):
     """Live storage bytes on one device, op by op; the peak, its phase and its parts."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, watch: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self.device = device
+        self.watch = watch  # each tensor seen (the Guard's)
         self.block = CUDA_BLOCK if device.type == "cuda" else 1
         self.live: dict[int, int] = {}
         self.total = 0
@@ -230,8 +250,19 @@ class _Counter(TorchDispatchMode):
         self.fake: Callable[[torch.Tensor], torch.Tensor] | None = None  # the trace's fake of a real tensor
         self.fake_type: type = torch.Tensor
         self.values_read = 0  # .item() and bool() of a tensor, answered with a stand-in
+        self.holds: list[Any] = []  # finalizers, gradient hooks: what ties the copy to this counter
+
+    def __exit__(self, *exc: Any) -> None:
+        """The count is over: its finalizers and hooks go. Both are held where the garbage collector
+        cannot see (the finalizer registry; a parameter's hooks, by C++), and each holds this counter, and
+        through it the trace and its copy: every trace's copy would live as long as the process."""
+        super().__exit__(*exc)
+        for held in self.holds:
+            held.detach() if isinstance(held, weakref.finalize) else held.remove()
+        self.holds.clear()
 
     def add(self, t: torch.Tensor) -> None:
+        self.watch(t)
         if t.device != self.device:
             return
         storage = t.untyped_storage()
@@ -241,7 +272,7 @@ class _Counter(TorchDispatchMode):
         size = -(-storage.nbytes() // self.block) * self.block
         self.live[key] = size
         self.total += size
-        weakref.finalize(storage, self._free, key)
+        self.holds.append(weakref.finalize(storage, self._free, key))
         if self.total > self.peak:
             self._new_peak()
 
@@ -324,9 +355,18 @@ def _stand_in(dtype: torch.dtype) -> bool | int | float:
 class _Trace:
     """The fake copy of one run (model, optimizer, batch) and one step traced on it."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        device: torch.device,
+        watch: Callable[[torch.Tensor], None],
+    ) -> None:
         self.exact_reason: str | None = None
         self.device = device
+        self.watch = watch  # each fake made: the Guard looks for those the script kept
+        self.wrapped: list[nn.Module] = []  # the copy's blocks checkpointed: unwrapped after the run
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # one rank's step: its buckets are outside the trace (the correction has them)
         if type(model).__name__ == "OptimizedModule":  # torch.compile's: the eager model (compiled may hold less)
@@ -379,6 +419,7 @@ class _Trace:
                     fake = self.mode.from_tensor(t.detach())
             self.fakes[key] = fake
             self._kept.append(t)
+            self.watch(fake)
         return self.fakes[key]
 
     def _optimizer(self, real: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -429,7 +470,7 @@ class _Trace:
     ) -> tuple[int, int, str, dict[str, int]]:
         from torch._subclasses.fake_tensor import FakeTensor
 
-        counter = _Counter(self.device)
+        counter = _Counter(self.device, self.watch)
         counter.fake, counter.fake_type = self._fake, FakeTensor
         model, optimizer = self.model, self.optimizer
         params = list(model.parameters())
@@ -437,7 +478,7 @@ class _Trace:
         self._checkpointing(checkpointing, checkpoint_modules, counter)
         cut = sizes(total, size, min_micro_batch)
         tracked_peak = 0
-        with self.mode, counter:
+        with self.mode, counter, self._unwrapping():
             for t in [*params, *model.buffers(), *state_tensors(optimizer), *tensors(self.batch)]:
                 if isinstance(t, torch.Tensor):
                     counter.add(t)
@@ -446,7 +487,9 @@ class _Trace:
             counter.optimizer_bytes = lambda: sum(_storage_bytes(state_tensors(optimizer)).values())
             for p in params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, counter))
+                    counter.holds.append(
+                        p.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, counter))
+                    )
             tracked_optimizer = counter.optimizer_bytes()
             # Before the optimizer's first step its state is made at the step's end; from the second step
             # on it is held throughout, which is the peak a run has to fit: both steps are traced then.
@@ -556,6 +599,17 @@ class _Trace:
                 return ckpt(original, *args, **kwargs)
 
             block.forward = forward
+            self.wrapped.append(block)
+
+    @contextlib.contextmanager
+    def _unwrapping(self) -> Iterator[None]:
+        """The checkpointed blocks' wrappers gone after the run: each refers to its block (a cycle that would
+        keep the copy alive until a garbage collection)."""
+        try:
+            yield
+        finally:
+            for block in self.wrapped:
+                del block.forward
 
 
 def _held(value: Any) -> Iterable[Any]:
@@ -584,8 +638,6 @@ def _on(device: torch.device, items: Iterable[Any]) -> list[torch.Tensor]:
 
 
 def _autocast(device: torch.device, amp: str) -> Any:
-    import contextlib
-
     if amp == "off":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=AMP_DTYPES[amp])
@@ -622,4 +674,4 @@ def line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-__all__ = ["PARTS", "Prediction", "Untraceable", "estimate", "line", "predict"]
+__all__ = ["PARTS", "Prediction", "Unsafe", "Untraceable", "estimate", "line", "predict"]

@@ -62,13 +62,18 @@ class Boundary:
             "stop": self._request_stop,
         }
 
-    def passed(self) -> bool:
-        """One process's boundary: apply every queued control; while paused, wait here. False: stop
-        before the next step."""
+    def passed(self, batch: Any) -> bool:
+        """One process's boundary: apply every queued control; while paused, wait here (a plan asked
+        for is made meanwhile, on `batch`). False: stop before the next step."""
         hub = self.hub
         if hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
-            self.apply_queued()
-            self.session.wait_while_paused(self.apply_queued, self.stopping)
+
+            def apply() -> None:
+                self.apply_queued()
+                self.planning.paused(batch)
+
+            apply()
+            self.session.wait_while_paused(apply, self.stopping)
         if self.signal is None and hub.stop_signal is None:  # most boundaries: stopping() has nothing to take
             return self.state.stop_reason is None
         return not self.stopping()

@@ -37,6 +37,7 @@ def fit(
     snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
     distributed: str = "auto",
     items: Callable[[Any], Any] | None = None,
+    planning: str = "auto",
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
@@ -46,6 +47,9 @@ def fit(
     share of each global batch through DistributedDataParallel (see engine/strategies/).
     `items(batch) -> count`: what the loss is a mean over (tokens that count); micro-batches are then
     weighted by their items, not their samples, so their gradients add up to the global batch's.
+    `planning`: "auto" traces the step on fake tensors when it helps (after an OOM, near capacity,
+    micro_batch="auto", a plan asked for), "asked" only for micro_batch="auto" and a plan asked for,
+    "off" never (a trace runs step() once more: README, "The planner").
     """
     options = FitOptions(
         epochs=epochs,
@@ -64,6 +68,7 @@ def fit(
         snapshot_dir=snapshot_dir,
         distributed=distributed,
         items=items,
+        planning=planning,
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")

@@ -71,6 +71,7 @@ class FitOptions:
     snapshot_dir: str | os.PathLike[str] | None = None
     distributed: str = "auto"
     items: Callable[[Any], Any] | None = None
+    planning: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
@@ -81,3 +82,7 @@ class FitOptions:
             _positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):
             raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')
+        if self.planning not in ("auto", "asked", "off"):
+            raise ValueError(f'planning must be "auto", "asked" or "off", got {self.planning!r}')
+        if self.planning == "off" and self.micro_batch == "auto":
+            raise ValueError('micro_batch="auto" needs the planner, and planning="off" never traces a step')

@@ -40,6 +40,7 @@ class PlanningHook:
         state: RunState,
         *,
         auto_micro_batch: bool,
+        mode: str,
         traceable: bool,
     ) -> None:
         self._make = lambda: Planner(
@@ -54,7 +55,10 @@ class PlanningHook:
             min_micro_batch=state.sizing.floor,
             amp_unsupported=precision.unsupported,
             emit=session.emit,
+            refuse=session.refuse,
+            automatic=mode == "auto",
         )
+        self.off = mode == "off"  # fit(planning="off"): the run never traces its step
         self.planner: Planner | None = None
         self.precision, self.checkpointing, self.session, self.state = precision, checkpointing, session, state
         self._auto_micro_batch = auto_micro_batch
@@ -64,6 +68,28 @@ class PlanningHook:
         if self.planner is None:
             self.planner = self._make()
         return self.planner
+
+    def abandon(self, reason: str) -> None:
+        """The run ended: a request still waiting for its table is refused with `reason`."""
+        if self.planner is not None:
+            self.planner.abandon(reason)
+
+    def paused(self, batch: Any) -> None:
+        """Paused (by the user, or at an OOM): a plan asked for is made at once on `batch`, the one the
+        next step trains (no step waits on it)."""
+        planner, state = self.planner, self.state
+        if self.session.paused and planner is not None and planner.pending and batch is not None:
+            state.shapes = shapes(batch)
+            planner.work(self.setting(), batch, state.shapes, state.batch_size, self.capacity(), paused=True)
+
+    def plans_itself(self) -> bool:
+        """Whether this run traces without being asked (planning="auto"): then an OOM's pause makes
+        the dialog's table at once (the `oom` event tells the screen to wait for it)."""
+        return self.get().plans_itself
+
+    def at_oom(self, oom: OomInfo, batch: Any) -> None:
+        """Paused at an OOM (auto-recover off): the table for the dialog, knowing the failed setting."""
+        self.get().oom(self.setting(oom.micro_batch), batch, shapes(batch), self.capacity())
 
     def setting(self, micro_batch: int | None = None) -> Setting:
         size = self.state.micro_batch_now() if micro_batch is None else micro_batch

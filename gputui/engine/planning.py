@@ -3,7 +3,8 @@
 Predictions are made on demand (the user opens the planner, an OOM, a step peak near capacity), never
 continuously, at a step boundary on the training thread: a tracing thread beside training slowed the
 step 19x in the study (the GIL passed back and forth each op). One boundary traces for at most
-BOUNDARY_S; the rest of a table waits for the next ones, so a step is never held long. Each prediction
+BOUNDARY_S; the rest of a table waits for the next ones, so a step is never held long (paused, no
+step waits: the whole table at once). Each prediction
 is cached by (setting, batch shapes). The prediction for the setting in use is compared with the step
 peak then measured and the difference (allocator rounding, workspaces the trace cannot see) is added
 to every prediction as `correction`.
@@ -77,8 +78,10 @@ class NoPrediction(Exception):
 
 
 class Planner:
-    """Predictions for one fit run. `settings()` is the setting in use, `capacity()` what the run may
-    use (None: unknown), `emit` the session's. Every call is made on the training thread."""
+    """Predictions for one fit run; `emit` and `refuse` are the session's. `automatic`: it traces by itself
+    (after an OOM, near capacity, after a remedy), else only for a request (fit's `planning="asked"`).
+    Every request waiting for a table is answered by it, or refused with the reason. Every call is made
+    on the training thread."""
 
     def __init__(
         self,
@@ -94,6 +97,8 @@ class Planner:
         min_micro_batch: int,
         amp_unsupported: Callable[[str], str | None],
         emit: Callable[..., None],
+        refuse: Callable[[Control, str], object],
+        automatic: bool = True,
     ) -> None:
         self.model, self.optimizer, self.step, self.device = model, optimizer, step, device
         self.tracked = tracked
@@ -103,14 +108,16 @@ class Planner:
         self.blocks = blocks
         self.min_micro_batch = min_micro_batch
         self.amp_unsupported = amp_unsupported
-        self.emit = emit
+        self.emit, self.refuse = emit, refuse
+        self.automatic = automatic
+        self.off: str | None = None  # why planning stopped for this run (a trace left what it cannot take back)
         self.correction = 0
         self.measured: int | None = None
         self._cache: dict[tuple[Setting, Hashable, int], plan.Prediction] = {}
         self._untraceable: dict[tuple[str, bool], str] = {}  # (amp, checkpointing) whose step cannot be traced
         self._breakdown: dict[str, int] | None = None  # a measured step's, for estimates
         self._measured_setting: Setting | None = None
-        self._pending: tuple[str, Control | None] | None = None  # (trigger, the request) of a table under way
+        self._pending: tuple[str, list[Control]] | None = None  # (trigger, the requests) of a table under way
         self._planned: set[tuple[Setting, Hashable, int]] = set()  # settings whose table was made (near capacity: once)
         self._deadline: float | None = None  # while a table is traced at a boundary
         self._entries = len(optimizer.state)  # the optimizer's state entries at the last measured step
@@ -129,7 +136,7 @@ class Planner:
             raise _Later
         prediction = None
         mode = (setting.amp, setting.checkpointing)  # a step may trace as one and not as another
-        if mode not in self._untraceable:
+        if mode not in self._untraceable and self.off is None:
             try:
                 prediction = plan.predict(
                     self.model,
@@ -145,6 +152,8 @@ class Planner:
                 )
             except plan.Untraceable as exc:
                 self._untraceable[mode] = str(exc)
+            except plan.Unsafe as exc:
+                self._turn_off(str(exc))
             except Exception as exc:  # the model's code on fake tensors: whatever it raises, training goes on
                 self._untraceable[mode] = f"the step cannot be traced ({plan.line(exc)})"
         if prediction is None:
@@ -204,10 +213,32 @@ class Planner:
         return True
 
     def ask(self, trigger: str, control: Control | None = None) -> None:
-        """Make the table at the next boundaries; a request waiting for its answer keeps it."""
-        if control is None and self._pending is not None and self._pending[1] is not None:
-            return
-        self._pending = (trigger, control)
+        """Make the table at the next boundaries. A request joins those waiting (each gets the table); a
+        table the planner makes by itself does not replace one asked for."""
+        if control is None:
+            if self.automatic and self.off is None and not (self._pending and self._pending[1]):
+                self._pending = (trigger, [])
+        elif self.off is not None:
+            self.refuse(control, self.off)
+        else:
+            self._pending = ("asked", [*(self._pending[1] if self._pending else ()), control])
+
+    @property
+    def plans_itself(self) -> bool:
+        """Whether an OOM gets a table without anyone asking."""
+        return self.automatic and self.off is None
+
+    def abandon(self, reason: str) -> None:
+        """The run ends: each request still waiting is refused with `reason`."""
+        for control in self._pending[1] if self._pending else ():
+            self.refuse(control, reason)
+        self._pending = None
+
+    def _turn_off(self, reason: str) -> None:
+        """No more traces this run (another would leave the same); said once, and every waiting request refused."""
+        self.off = f"planning is off for this run: {reason}"
+        self.emit("error", message=self.off)
+        self.abandon(self.off)
 
     @property
     def pending(self) -> bool:
@@ -218,14 +249,18 @@ class Planner:
         """A table was made this run (so the screen shows one that a new setting makes stale)."""
         return bool(self._planned)
 
-    def work(self, now: Setting, batch: Any, shapes: Hashable, total: int, capacity: int | None) -> None:
-        """At a boundary: trace the table's rows for up to BOUNDARY_S, emit what is known."""
+    def work(
+        self, now: Setting, batch: Any, shapes: Hashable, total: int, capacity: int | None, paused: bool = False
+    ) -> None:
+        """At a boundary: trace the table's rows for up to BOUNDARY_S (ASKED_S for a request), emit what is
+        known. `paused`: no step waits, so the whole table at once, and no step will be measured to estimate
+        the rows that cannot be traced from: the table is what can be predicted now."""
         if self._pending is None:
             return
-        trigger, control = self._pending
+        trigger, controls = self._pending
         options: list[dict[str, Any]] = []
         complete = True
-        self._deadline = time.monotonic() + (ASKED_S if control is not None else BOUNDARY_S)
+        self._deadline = None if paused else time.monotonic() + (ASKED_S if controls else BOUNDARY_S)
         try:
             for row in self.rows(now, total):
                 try:
@@ -238,7 +273,7 @@ class Planner:
                 except _Later:
                     prediction = None
                 if prediction is None:  # later, or once a step is measured to estimate from
-                    complete = False
+                    complete = complete and paused
                     continue
                 option = self.option(row, prediction, total, capacity)
                 if row.remedy == "best" and row.setting == now:
@@ -246,10 +281,13 @@ class Planner:
                 options.append(option)
         finally:
             self._deadline = None
-        # Rows as they come (a screen fills in); the request is answered by the complete table.
-        self.emit(
-            "plan",
-            control if complete else None,
+        if self._pending is None:  # turned off meanwhile: its requests are refused
+            return
+        if complete and not options and controls:
+            why = self.untraceable(now) or "no prediction"
+            return self.abandon(f"nothing to predict with: {why}, and no step measured yet to estimate from")
+        # Rows as they come (a screen fills in); each request is answered by the complete table.
+        table = dict(
             trigger=trigger,
             options=options,
             capacity=capacity,
@@ -258,6 +296,8 @@ class Planner:
             tracked=self.tracked,
             complete=complete,
         )
+        for control in controls if complete and controls else [None]:
+            self.emit("plan", control, **table)
         if complete:
             self._pending = None
             self._planned.add(self._key(now, shapes))
@@ -348,15 +388,14 @@ class Planner:
         return lo
 
     def after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None) -> tuple[int, str] | None:
-        """The micro-batch to retry with after an OOM at `failed`, and why; None: halve as before.
-
-        The OOM teaches: a prediction at the failed size that says it fits was low by at least what it
-        missed capacity by, and the correction grows to say so."""
-        if capacity is None or failed.micro_batch <= self.min_micro_batch:
+        """The micro-batch to retry with after an OOM at `failed`, and why; None: halve as before (also
+        where the planner does not plan by itself)."""
+        if capacity is None or failed.micro_batch <= self.min_micro_batch or not self.plans_itself:
             return None
         self._deadline = time.monotonic() + OOM_S
         try:
-            return self._after_oom(failed, batch, shapes, capacity)
+            found = self._after_oom(failed, batch, shapes, capacity)
+            return None if self.off else found  # turned off on the way: halving, as said
         except _Later as later:  # out of time: what was found to fit, if it beats halving
             half = max(failed.micro_batch // 2, self.min_micro_batch)
             if later.fits is None or later.fits < half:
@@ -367,12 +406,25 @@ class Planner:
         finally:
             self._deadline = None
 
-    def _after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int) -> tuple[int, str] | None:
+    def oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None) -> None:
+        """Paused at an OOM (auto-recover off): what it teaches, and a table for the dialog."""
+        if not self.plans_itself:
+            return
+        if capacity is not None:
+            self._learn(failed, batch, shapes, capacity)
+        self.ask("oom")
+
+    def _learn(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int) -> plan.Prediction | None:
+        """The prediction at the failed setting; one that says it fits was low by at least what it missed
+        capacity by, and the correction grows to say so."""
         p = self.prediction(failed, batch, shapes)
-        if p is None:
-            return None
-        if p.exact and self.peak(p) <= capacity:
+        if p is not None and p.exact and self.peak(p) <= capacity:
             self.correction = capacity - p.bytes_for(self.tracked) + 1
+        return p
+
+    def _after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int) -> tuple[int, str] | None:
+        if self._learn(failed, batch, shapes, capacity) is None:
+            return None
         # Halving's size first: if it fits, the search is above it and a search cut short still beats halving.
         half = max(failed.micro_batch // 2, self.min_micro_batch)
         fits_half = self.largest(failed.amp, failed.checkpointing, half, half, batch, shapes, capacity) is not None

@@ -132,9 +132,14 @@ class Recovery:
             )
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.
-        session.emit("oom", **details, recovered=False, waiting=True)
+        # With the batch (one process) the planner's table for the dialog is made first, and plans
+        # asked for meanwhile are made while waiting.
+        planning = batch is not None and self.planning.plans_itself()
+        session.emit("oom", **details, recovered=False, waiting=True, planning=planning)
         session.paused = True
         session.emit("paused", reason="oom")
+        if planning:
+            self.planning.at_oom(oom, batch)
 
         def apply() -> None:
             for control in self.boundary.apply_queued():
@@ -143,7 +148,9 @@ class Recovery:
                         session.paused = False
                         session.emit("resumed", reason=control.action)
                     session.clear_rate()
+            self.planning.paused(batch)
 
+        apply()
         session.wait_while_paused(apply, self.boundary.stopping)
         return not self.boundary.stopping()
 

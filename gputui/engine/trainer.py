@@ -139,6 +139,7 @@ class Trainer:
             session,
             state,
             auto_micro_batch=o.micro_batch == "auto",
+            mode=o.planning,
             traceable=group is None or not group.fsdp,
         )
         self.boundary = Boundary(hub, session, state, precision, checkpointing, self.planning, agreement)
@@ -166,7 +167,7 @@ class Trainer:
         state = self.state
         if batch is not None:
             state.batch_size = batch_size(batch)
-        if not self.strategy.at_boundary():
+        if not self.strategy.at_boundary(batch):
             return False
         if batch is not None:
             self.planning.at_boundary(batch)
@@ -227,6 +228,7 @@ class Trainer:
             finally:
                 if error is not None:
                     self.session.emit("error", message=error)
+                self.planning.abandon("the run ended before the plan was complete")
                 restore_signals()
                 self.generators.close()
                 self.checkpointing.remove()
@@ -236,11 +238,14 @@ class Trainer:
 
     def _start(self, length: dict[str, Any]) -> None:
         unavailable = self.checkpointing.unavailable()
+        refused = {"set_checkpointing": unavailable} if unavailable else {}
+        if self.planning.off:
+            refused["plan"] = 'planning="off": this run never traces its step'
         group = self.group
         self.session.start(
             mode="fit",
             model=group.model_name if group is not None else type(self.model).__name__,
-            refused={"set_checkpointing": unavailable} if unavailable else {},
+            refused=refused,
             **length,
             micro_batch=self.state.micro_batch,
             batch_norm=self.buffers.batch_norms,

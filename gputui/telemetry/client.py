@@ -7,8 +7,8 @@ that ended (its socket is gone) from one that is only unreachable.
 
 A client trusts no job blindly: the peer must run as the same user (paths.check_peer), every
 string arrives stripped of control characters (protocol.parse_server), and the fields the
-clients read are type-checked here, so a broken or fake job is a one-line error, never a
-traceback or a garbled terminal.
+clients read are type-checked (checks.checked), so a broken or fake job is a one-line error,
+never a traceback or a garbled terminal.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, fields
-from operator import contains
+from dataclasses import dataclass
 from typing import Any
 
-from .describe import describe
+from .checks import checked
 from .hub import Hub
 from .output import left_out
 from .paths import ForeignPeer, check_peer, pid_alive
 from .protocol import MAX_SERVER_LINE, ProtocolError, VersionMismatch, encode, parse_server
-from .run import NUMBER, RunInfo, RunSummary
-from .sample import Event, GpuReading, HostReading, Memory, RankMemory, StepRecord, StepSample
+from .run import RunInfo, RunSummary
+from .sample import Event, GpuReading, StepRecord, StepSample
 
 CONNECT_WAIT = 5.0
 """Seconds a connection waits for room in a job's listen backlog (full while others connect)."""
@@ -165,138 +164,6 @@ class Welcome:
     def info(self) -> RunInfo | None:
         info = (self.hello or {}).get("info")
         return RunInfo.from_json(info) if info else None
-
-
-# What the clients read, by record kind: field -> accepted types (None is always accepted, and
-# a field not named here passes as it is). The TUI formats these fields; a wrong type would
-# raise there, far from the socket.
-_DEVICE = {
-    "index": int,
-    "uuid": str,
-    "name": str,
-    "utilization": NUMBER,
-    "memory_used": NUMBER,
-    "memory_total": NUMBER,
-    "temperature": NUMBER,
-    "power": NUMBER,
-    "power_limit": NUMBER,
-    "processes": list,
-    "error": str,
-}
-_PROCESS = {"pid": int, "gpu_memory": NUMBER, "kind": str, "user": str, "command": str}
-_KINDS: dict[str, dict[str, Any]] = {
-    "hello": {
-        "pid": int,
-        "argv": list,
-        "server_started": NUMBER,
-        "runs": int,
-        "info": dict,
-        "summary": dict,
-        "controllable": bool,
-    },
-    "start": {"runs": int, "info": dict},
-    "end": {"summary": dict},
-    "event": {"name": str, "step": int, "t": NUMBER},
-    "history": {"series": dict},
-    "gpus": {"t": NUMBER, "driver": str, "status": str, "devices": list},
-    "output": {"lines": list, "current": str, "total": int, "dropped": int},
-    "ack": {"id": int, "request_id": int, "hello": bool, "control": bool},
-    "error": {"id": int, "reason": str},
-}
-
-
-# A steps record's rows (sample.StepRecord.row()), by position: the exact types each value may have
-# (no bool for a number, no None where a step always has a value). A whole row is checked in one
-# pass of C code (map/all): a job sends hundreds a second.
-_INT, _BOOL, _STR, _LIST = frozenset({int}), frozenset({bool}), frozenset({str}), frozenset({list})
-_NUM, _NUM_NONE = frozenset({int, float}), frozenset({int, float, type(None)})
-_LIST_NONE, _STR_NONE = frozenset({list, type(None)}), frozenset({str, type(None)})
-_ROW_TYPES = (
-    *(_NUM, _INT, _INT, _NUM_NONE),  # t, step, epoch, loss
-    *(_INT, _INT, _INT),  # batch_size, micro_batch, accumulation
-    *(_STR, _BOOL, _NUM_NONE),  # amp, checkpointing, samples_per_s
-    *(_LIST, _INT, _LIST_NONE),  # memory, samples, host
-    *(_STR_NONE, _NUM_NONE, _LIST),  # loss_source, steps_per_s, ranks
-)
-_MEMORY_TYPES = (_STR,) + (_NUM_NONE,) * (len(fields(Memory)) - 1)
-_HOST_TYPES = (_NUM_NONE,) * len(fields(HostReading))
-_RANK_TYPES = (_INT, _INT, _NUM_NONE, _NUM_NONE, _NUM_NONE, _NUM_NONE, _INT)
-
-
-def _values(row: Any, types: tuple[frozenset[object], ...], cls: type, index: int, part: str) -> None:
-    """ProtocolError unless `row` is a list of len(types) values of those types (`cls`'s fields, named
-    in the error)."""
-    if type(row) is list and len(row) == len(types) and all(map(contains, types, map(type, row))):
-        return
-    where = f"a steps record's row {index}{part}"
-    if type(row) is not list or len(row) != len(types):
-        raise ProtocolError(f"{where} is not a list of {len(types)} values")
-    name, value = next((f.name, v) for f, v, t in zip(fields(cls), row, types, strict=True) if type(v) not in t)
-    raise ProtocolError(f"{where}: {name!r} is {_a(type(value).__name__)}")
-
-
-def _rows(rows: Any) -> None:
-    if type(rows) is not list:
-        raise ProtocolError("a steps record without its rows")
-    for index, row in enumerate(rows):
-        _values(row, _ROW_TYPES, StepSample, index, "")
-        _values(row[10], _MEMORY_TYPES, Memory, index, "'s memory")
-        if row[12] is not None:
-            _values(row[12], _HOST_TYPES, HostReading, index, "'s host reading")
-        for rank in row[15]:
-            _values(rank, _RANK_TYPES, RankMemory, index, "'s rank")
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
-
-
-def _fields(record: Any, types: dict[str, Any], where: str) -> None:
-    if not isinstance(record, dict):
-        raise ProtocolError(f"{where} is {_a(type(record).__name__)}, not an object")
-    for name, accepted in types.items():
-        value = record.get(name)
-        if value is not None and (not isinstance(value, accepted) or isinstance(value, bool) and accepted is not bool):
-            raise ProtocolError(f"{where}: {name!r} is {_a(type(value).__name__)}")
-
-
-def checked(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` if the fields the clients read have their types; ProtocolError saying which does not."""
-    kind = record["kind"]
-    where = f"{_a(kind)} record"
-    _fields(record, _KINDS.get(kind, {}), where)
-    if kind == "steps":
-        _rows(record.get("rows"))
-        return record
-    for name, cls in (("info", RunInfo), ("summary", RunSummary)):
-        if record.get(name) is not None:
-            try:
-                cls.from_json(record[name])
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise ProtocolError(f"{where}'s {name}: {exc}") from None
-    if not all(isinstance(arg, str) for arg in record.get("argv") or ()):
-        raise ProtocolError(f"{where}'s argv holds a non-string")
-    if kind == "event":
-        try:
-            describe(Event.from_json(record))  # what the timeline, the progress line and ctl print
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise ProtocolError(f"an event the client cannot describe: {type(exc).__name__}") from None
-    elif kind == "history":
-        for name, series in (record.get("series") or {}).items():
-            _fields(series, {"steps": list, "values": list, "stride": int}, f"the history of {name}")
-            if not all(isinstance(x, int) for x in series.get("steps") or ()) or not all(
-                x is None or isinstance(x, NUMBER) for x in series.get("values") or ()
-            ):
-                raise ProtocolError(f"the history of {name} holds a non-number")
-    elif kind == "output":
-        if not all(isinstance(line, str) for line in record.get("lines") or ()):
-            raise ProtocolError("an output record's lines hold a non-string")
-    elif kind == "gpus":
-        for device in record.get("devices") or ():
-            _fields(device, _DEVICE, "a GPU")
-            for process in device.get("processes") or ():
-                _fields(process, _PROCESS, "a GPU process")
-    return record
 
 
 class Mirror:

@@ -121,7 +121,7 @@ def parse_server(line: bytes) -> dict[str, Any]:
     none raw in a string) has nothing to strip; with no risky number and fewer brackets than the
     depth limit, it is returned as parsed: the steps, many a second, cost no walk. A steps record
     has a bracket or four a step, and is exempt from that count when it holds its rows and nothing
-    else: their shape is checked whole (client.checked(): rows of values, three levels at most),
+    else: their shape is checked whole (checks.checked(): rows of values, three levels at most),
     and nothing reads them before."""
     data = _object(line, MAX_SERVER_LINE)
     rows_only = data["kind"] == "steps" and data.keys() <= _STEPS_KEYS

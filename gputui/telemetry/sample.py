@@ -10,8 +10,10 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from operator import attrgetter
+from operator import itemgetter
 from typing import Any
+
+from .rows import Layout
 
 VERSION = 1
 """Version of the metrics file's records (the attach protocol has its own: protocol.VERSION);
@@ -268,13 +270,13 @@ class StepRecord:
 
     def __init__(self, fields: tuple[Any, ...], sample: StepSample | None = None) -> None:
         self.fields = fields
-        self.step: int = fields[1]
+        self.step: int = fields[_STEP]
         self._sample = sample
 
     @classmethod
     def of(cls, sample: StepSample) -> StepRecord:
         """A sample made already (one received from a job, a test's)."""
-        return cls(tuple(getattr(sample, name) for name in _names(StepSample)), sample)
+        return cls(STEP_ROW.values(sample), sample)
 
     def sample(self) -> StepSample:
         sample = self._sample
@@ -285,39 +287,18 @@ class StepRecord:
     def charted(self) -> tuple[int, float | None, Memory]:
         """(step, loss, memory): what the run's charts take, read without making the sample (the job's
         server folds every step into the history a welcome sends)."""
-        f = self.fields
-        return f[1], f[3], f[10]
+        return _charted(self.fields)
 
     def row(self) -> list[Any]:
-        """The step as the attach protocol sends it (a row of a `steps` record): StepSample's fields in
-        their order, the memory, the host reading and each rank as their own fields' values. A step
-        costs the server a few attribute reads, not a dict of ~40 keys, and the client no key lookups."""
-        f = self.fields
-        host = f[12]
-        return [
-            *f[:10],
-            _memory_values(f[10]),
-            f[11],
-            None if host is None else _host_values(host),
-            f[13],
-            f[14],
-            [_rank_values(rank) for rank in f[15]],
-        ]
+        """The step as the attach protocol sends it (a row of a `steps` record, rows.py): a step costs
+        the server a few attribute reads, not a dict of ~40 keys, and the client no key lookups."""
+        return STEP_ROW.row(self.fields)
 
     @classmethod
     def from_row(cls, row: list[Any]) -> StepRecord:
         """A row back into a step, its sample made (the row's shape and types checked already:
-        client.checked())."""
-        host = row[12]
-        fields = (
-            *row[:10],
-            Memory(*row[10]),
-            row[11],
-            None if host is None else HostReading(*host),
-            row[13],
-            row[14],
-            tuple(RankMemory(*rank) for rank in row[15]),
-        )
+        STEP_ROW.check())."""
+        fields = STEP_ROW.fields(row)
         return cls(fields, StepSample(*fields))
 
 
@@ -394,6 +375,9 @@ def check_event(name: str, details: Mapping[str, Any]) -> None:
         raise ValueError(f"event {name!r} without {', '.join(missing)}")
 
 
-_memory_values = attrgetter(*_names(Memory))
-_host_values = attrgetter(*_names(HostReading))
-_rank_values = attrgetter(*_names(RankMemory))
+STEP_ROW = Layout(
+    StepSample, "a steps record's row", {Memory: "memory", HostReading: "host reading", RankMemory: "rank"}
+)
+"""A step's row on the wire, read from StepSample's declaration (and its records')."""
+_STEP = STEP_ROW.index("step")
+_charted = itemgetter(_STEP, STEP_ROW.index("loss"), STEP_ROW.index("memory"))

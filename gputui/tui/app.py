@@ -28,6 +28,16 @@ from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
 from .keys import BY_KEY, KEYS, Key, shown
 from .messages import RequestControl, ShowScreen
+from .panels.base import Panel
+from .panels.footer import KeysFooter
+from .panels.gpus import GpuLine
+from .panels.header import HeaderBar
+from .panels.log import LogPanel
+from .panels.loss import LossPanel
+from .panels.memory import MemoryPanel
+from .panels.ranks import RanksPanel
+from .panels.remedies import RemediesBar
+from .panels.timeline import Timeline
 from .screens import (
     ConfirmQuit,
     FailureScreen,
@@ -41,18 +51,6 @@ from .screens import (
 )
 from .sources import Source
 from .view import RunView
-from .widgets import (
-    GpuLine,
-    HeaderBar,
-    KeysFooter,
-    LogPanel,
-    LossPanel,
-    MemoryPanel,
-    Panel,
-    RanksPanel,
-    RemediesBar,
-    Timeline,
-)
 
 Runner = Callable[[io.StringIO], int]
 """Runs the training script (writing any failure report to the stream); returns its exit code."""
@@ -89,7 +87,7 @@ class MainScreen(Screen[None]):
     """The panels, and the keys: bound here so screens above it do not list them in their footers."""
 
     BINDINGS = [
-        Binding(k.key, f"app.{k.action}", k.label, key_display="?" if k.key == "question_mark" else None) for k in KEYS
+        Binding(k.key, f"app.{k.action}", k.label, key_display=shown(k) if shown(k) != k.key else None) for k in KEYS
     ]
 
     def __init__(self, view: RunView, source: Source, output: OutputLog) -> None:
@@ -216,7 +214,7 @@ class GputuiApp(App[int]):
         """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs)."""
         with self.batch_update():
             self.main.update()
-            if isinstance(self.screen, (Overlay, ConfirmQuit)):
+            if isinstance(self.screen, (Overlay, ConfirmQuit, OomScreen)):
                 self.screen.update()
         availability = tuple(self.why_not(k.action) for k in KEYS)
         if availability != self._availability:
@@ -226,6 +224,7 @@ class GputuiApp(App[int]):
         if oom is not None and oom is not self._oom_shown:
             self._oom_shown = oom
             why = {k.control: self.why_not(k.action) for k in KEYS if k.control}
+            why["plan"] = self.view.cannot_send("plan", self.source.watch_only)  # the w its hint names
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
         if self.view.signalled and not self._quitting:
             self.leave_when_done(self.view.signalled)

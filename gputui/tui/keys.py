@@ -1,4 +1,5 @@
-"""The main screen's keys: one table for the footer, the help screen, the palette and the view's checks."""
+"""The main screen's keys: one table for the footer, the remedies bar, the help screen, the palette and
+the view's checks."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ class Key:
     screen: bool = False
     """It opens a screen that shows what the run last sent even where the control cannot be sent
     (watch-only, refused, ended): the key always acts, and the screen says why it cannot ask."""
+    name: str | None = None
+    """The label in full, where a panel has the room (the remedies bar); None where the label is whole."""
+
+    def called(self, long: bool) -> str:
+        """Its label, in full if `long`."""
+        return self.name if long and self.name else self.label
 
 
 KEYS = (
@@ -42,6 +49,7 @@ KEYS = (
         "Activation checkpointing on the model's repeated blocks (a Hugging Face model's own switch): "
         "recompute activations in backward instead of keeping them (less memory, ~30% more compute).",
         "set_checkpointing",
+        name="checkpointing",
     ),
     Key(
         "f",
@@ -50,6 +58,7 @@ KEYS = (
         "gc.collect() + torch.cuda.empty_cache(): return cached blocks to the "
         "device (helps other processes; adds no capacity to this one).",
         "free_cache",
+        name="free cache",
     ),
     Key(
         "o",
@@ -57,6 +66,7 @@ KEYS = (
         "auto",
         "Auto-recover: on OOM halve the micro-batch and retry the same batch; off: pause and ask.",
         "set_auto_recover",
+        name="auto-recover",
     ),
     Key(
         "w",
@@ -74,6 +84,7 @@ KEYS = (
         "snap",
         "CUDA memory snapshot: a pickle for pytorch.org/memory_viz and memory_summary() as text.",
         "snapshot",
+        name="snapshot",
     ),
     Key(
         "t",
@@ -81,6 +92,7 @@ KEYS = (
         "tensors",
         "The live tensors grouped by shape, dtype and role, largest first.",
         "top_tensors",
+        name="top tensors",
     ),
     Key("m", "memory", "memory", "Every memory reading, with what each one means."),
     Key("l", "log", "log", "The script's own output (stdout and stderr)."),

@@ -81,7 +81,8 @@ class HelpScreen(Overlay):
 
 
 class OomScreen(ModalScreen[str | None]):
-    """Auto-recover is off and a step ran out of memory: the user picks the remedy."""
+    """Auto-recover is off and a step ran out of memory: the user picks the remedy, beside the step peak
+    the planner predicts for each (the run plans at the OOM by itself, or when asked: escape, then w)."""
 
     BINDINGS = [
         Binding("b", "pick('halve_batch')", "halve"),
@@ -129,6 +130,7 @@ class OomScreen(ModalScreen[str | None]):
         with Vertical(id="oom-dialog"):
             yield Label("Training paused: out of memory (auto-recover is off)", id="oom-title")
             yield Static(details, id="oom-details")
+            yield Static(oom_predictions(self.view, self.why_not.get("plan")), id="oom-plan")
             with Horizontal(id="oom-buttons"):
                 for action, label in (
                     ("halve_batch", "[b] halve batch"),
@@ -146,6 +148,10 @@ class OomScreen(ModalScreen[str | None]):
                         tooltip=self.why_not.get(action),
                     )
 
+    def update(self) -> None:
+        """Called by the app after each pull while this dialog is on top: the planner's rows as they come."""
+        self.query_one("#oom-plan", Static).update(oom_predictions(self.view, self.why_not.get("plan")))
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id)
 
@@ -155,6 +161,48 @@ class OomScreen(ModalScreen[str | None]):
             self.notify(reason, severity="warning")
             return
         self.dismiss(action or None)
+
+
+def oom_predictions(v: RunView, cannot_plan: str | None) -> Text:
+    """The dialog's remedies with the step peak the planner predicts for each, from a table made at this
+    OOM (for the setting that failed); "planning…" while it is made; else how to ask for one."""
+    oom, plan = v.waiting_oom, v.plan
+    now = v.plan_option("now")
+    text = Text()
+    if oom is None:
+        return text
+    made = (
+        plan is not None and plan.step >= oom.step and (now is None or now.get("micro_batch") == oom.get("micro_batch"))
+    )
+    if plan is None or not made or (now is None and not plan.get("complete", True)):
+        if oom.get("planning") or PLAN_REQUEST in v.pending.values():
+            text.append("planning… ", style="bold yellow")
+            text.append("each remedy's step is traced on fake tensors (nothing allocated)", style="dim")
+        elif not cannot_plan:
+            text.append("Escape, then w: the step peak the planner predicts for each remedy.", style="dim")
+        return text
+    if now is None:
+        return text.append("The planner has no prediction for this step.", style="dim")
+    capacity = number(plan.get("capacity"))
+    text.append(f"Predicted step peak{f' of {format_bytes(capacity)}' if capacity else ''}:", style="bold")
+    amp = next((o for o in v.plan_options if o.get("remedy") == "amp" and o.get("amp") == "bf16"), None)
+    checkpointing = v.plan_option("checkpointing")
+    best = v.plan_option("best")
+    rows = [
+        ("[b]", v.plan_option("halve")),
+        ("[a] bf16", amp),
+        ("[c] ckpt", checkpointing if checkpointing and checkpointing.get("checkpointing") else None),
+        ("[r] as is", now),
+        (f"best fit {best.get('label', '?')}" if best else "", best),
+    ]
+    for label, o in [(label, o) for label, o in rows if o is not None]:
+        text.append(" " if text.plain.endswith(":") else " · ").append(label, style="bold")
+        if o.get("remedy") == "halve":
+            text.append(f" {o.get('micro_batch', '?')} × {o.get('accumulation', '?')}")
+        text.append(f" {'' if o.get('exact') else '~'}{format_bytes(number(o.get('peak')), missing='?')}")
+        if isinstance(o.get("fits"), bool):
+            text.append(" ✓" if o["fits"] else " ✗", style="bold green" if o["fits"] else "bold red")
+    return text
 
 
 class TopTensorsScreen(Overlay):

@@ -68,6 +68,22 @@ class Ranks:
     hidden: int = 0
     hidden_worst: RankMemory | None = None  # the worst of those left out: how close the rest come
 
+    @classmethod
+    def pick(cls, ranks: tuple[RankMemory, ...], this: int | None, lines: int) -> Ranks:
+        """The ranks in at most `lines` lines (at least 3): all of them when they fit, else the worst ones
+        and this rank, with a line left to say how many are not shown."""
+        order = sorted(ranks, key=severity, reverse=True)
+        worst = order[0].rank if order[0].peak is not None else None
+        if len(ranks) <= lines:
+            return cls(tuple(ranks), worst, this)
+        keep = order[: max(2, lines - 1)]
+        if this is not None and all(r.rank != this for r in keep):
+            keep[-1:] = [r for r in ranks if r.rank == this]
+        kept = {r.rank for r in keep}
+        left = [r for r in order if r.rank not in kept]
+        shown = tuple(sorted(keep, key=lambda r: r.rank))
+        return cls(shown, worst, this, len(left), left[0] if left else None)
+
 
 @dataclass
 class RunView:
@@ -234,23 +250,9 @@ class RunView:
         return self.latest.ranks if self.latest else ()
 
     def ranks(self, lines: int) -> Ranks | None:
-        """The job's ranks in at most `lines` lines (at least 3): all of them when they fit, else the worst
-        ones and this rank, with a line left to say how many are not shown. None for one process."""
+        """The job's ranks in at most `lines` lines (Ranks.pick()); None for one process."""
         ranks = self.job_ranks
-        if not ranks:
-            return None
-        order = sorted(ranks, key=severity, reverse=True)
-        worst = order[0].rank if order[0].peak is not None else None
-        this = self.rank[0] if self.rank else None
-        if len(ranks) <= lines:
-            return Ranks(tuple(ranks), worst, this)
-        keep = order[: max(2, lines - 1)]
-        if this is not None and all(r.rank != this for r in keep):
-            keep[-1:] = [r for r in ranks if r.rank == this]
-        kept = {r.rank for r in keep}
-        left = [r for r in order if r.rank not in kept]
-        shown = tuple(sorted(keep, key=lambda r: r.rank))
-        return Ranks(shown, worst, this, len(left), left[0] if left else None)
+        return Ranks.pick(ranks, self.rank[0] if self.rank else None, lines) if ranks else None
 
     @property
     def observed(self) -> bool:

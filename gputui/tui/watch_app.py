@@ -23,7 +23,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from ..telemetry.sample import GpuDevice, GpuProcess, GpuReading
 from ..units import format_bytes, format_bytes_short, format_figure
-from .widgets import gpu_summary
+from .panels.gpus import gpu_summary
 
 
 class Poller(Protocol):

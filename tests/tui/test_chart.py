@@ -13,7 +13,7 @@ from rich.text import Text
 
 from gputui.telemetry.history import History
 from gputui.tui.chart import GROWTH, Chart, Series, axis_number
-from gputui.tui.widgets import LossTrend
+from gputui.tui.panels.loss import LossTrend
 
 CONSOLE = Console(width=400)
 BITS = ((0x01, 0x02, 0x04, 0x40), (0x08, 0x10, 0x20, 0x80))  # a braille cell's dots: [column][row]

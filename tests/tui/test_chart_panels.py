@@ -8,8 +8,8 @@ from fakes import GPUS, FrozenClock, cuda_run, cuda_sample, on_refresh
 from rich.console import Console
 
 from gputui.tui.app import GputuiApp
+from gputui.tui.panels.base import LinePanel
 from gputui.tui.sources import Update
-from gputui.tui.widgets import LinePanel
 
 
 def drawn(app) -> list[str]:
@@ -77,7 +77,7 @@ async def test_the_lines_kept_from_earlier_frames_are_the_lines_drawn_anew():
 
 async def test_a_run_that_ended_is_drawn_over_the_whole_width():
     from gputui.telemetry.run import RunSummary
-    from gputui.tui.widgets import ChartPanel
+    from gputui.tui.panels.base import ChartPanel
 
     source = cuda_run()
     app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)

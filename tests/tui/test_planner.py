@@ -1,16 +1,19 @@
 """The what-if planner on screen: the predictions beside the remedy keys, the planner screen (w),
-watch-only attach, and the timeline's one line a table. Driven by fakes.py's scripted source."""
+watch-only attach, the timeline's one line a table, and the OOM dialog's predictions. Driven by
+fakes.py's scripted source."""
 
 from dataclasses import replace
 
 import pytest
 from conftest import text, until
-from fakes import FrozenClock, GiB, cuda_run, cuda_sample, plan_event
+from fakes import T0, FrozenClock, GiB, cuda_run, cuda_sample, plan_event
 from test_layout import assert_whole, shown
+from textual.widgets import Static
 
+from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import WATCH_ONLY
-from gputui.tui.screens import PlannerScreen
+from gputui.tui.screens import OomScreen, PlannerScreen
 from gputui.tui.view import RunView
 
 
@@ -199,3 +202,38 @@ def test_a_plan_in_parts_is_one_timeline_line_and_a_new_one_another():
     assert [e.text for e in v.timeline] == ["plan (7 options); now 14.1 GiB of 80.0 GiB; best 64x1 ckpt: 11.9 GiB"]
     v._event(plan_event(step=400))  # another table (near capacity, say): its own line
     assert len(v.timeline) == 2 and v.entries == 4
+
+
+def oom_waiting(step=300, **details) -> Event:
+    """cuda_run's step after `step` ran out of memory, auto-recover off: the run waits for the user."""
+    fields = {"phase": "forward", "micro_batch": 32, "waiting": True, "recovered": False, "message": "CUDA OOM"}
+    return Event("oom", step, fields | details, t=T0 + step)
+
+
+def dialog_text(app) -> str:
+    return str(app.screen.query_one("#oom-plan", Static).render())
+
+
+async def test_the_oom_dialog_shows_each_remedys_predicted_peak_once_the_run_has_planned():
+    source = cuda_run()
+    source.push(events=[oom_waiting(planning=True)])
+    app = make(source)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, OomScreen))
+        assert "planning…" in dialog_text(app)
+        source.push(events=[plan_event(capacity=20 * GiB, trigger="oom")])
+        await until(pilot, lambda: "Predicted step peak" in dialog_text(app))
+        assert dialog_text(app).replace("\n", " ") == (
+            "Predicted step peak of 20.0 GiB: [b] 16 × 4 8.20 GiB ✓ · [c] ckpt 6.30 GiB ✓ · [r] as is 14.1 GiB ✓ · "
+            "best fit 64x1 ckpt 11.9 GiB ✓"
+        )  # no [a] bf16: the run is on bf16 already
+
+
+async def test_the_oom_dialog_says_how_to_ask_for_predictions_when_the_run_does_not_plan_by_itself():
+    source = cuda_run()
+    source.push(events=[plan_event(step=200, capacity=20 * GiB), oom_waiting(planning=False)])  # a plan from before
+    app = make(source)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, OomScreen))
+        await pilot.pause(0.1)
+        assert dialog_text(app) == "Escape, then w: the step peak the planner predicts for each remedy."

@@ -7,8 +7,8 @@ from fakes import GPUS, FrozenClock, cuda_run, cuda_sample, on_refresh
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
+from gputui.tui.panels.base import Panel
 from gputui.tui.sources import Update
-from gputui.tui.widgets import Panel
 
 
 def count_refreshes(app: GputuiApp) -> Counter:

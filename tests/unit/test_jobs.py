@@ -41,7 +41,7 @@ def three_jobs(tmp_path, monkeypatch):
             servers.append(TelemetryServer(hub, socket_path(pid)).start())
             hub.start(info)
         deadline = time.monotonic() + 10
-        while any(server._info is None for server in servers):  # each server thread took its run in
+        while any(server._so_far.info is None for server in servers):  # each server thread took its run in
             assert time.monotonic() < deadline, "a server never saw its run start"
             time.sleep(0.01)
         yield dict(zip(("rank1", "single", "rank0"), pids, strict=True))

@@ -9,11 +9,13 @@ import time
 import pytest
 
 from gputui.telemetry import server as server_module
-from gputui.telemetry.client import Connection, Mirror, checked
+from gputui.telemetry.checks import checked
+from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.output import LINE_LIMIT, LineWriter, OutputLog
 from gputui.telemetry.protocol import ProtocolError
-from gputui.telemetry.server import OUTPUT_CHARS, OUTPUT_LINES, RECENT_OUTPUT, TelemetryServer
+from gputui.telemetry.server import TelemetryServer
+from gputui.telemetry.server.printed import OUTPUT_CHARS, OUTPUT_LINES, RECENT_OUTPUT
 from gputui.tui.remote import RemoteSource
 from gputui.tui.sources import LocalSource
 from gputui.tui.terminal import READ, captured_stream, pump

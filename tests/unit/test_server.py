@@ -9,13 +9,15 @@ import time
 import pytest
 
 from gputui.telemetry import protocol
-from gputui.telemetry import server as server_module
 from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.paths import UnsafeDirectory, socket_dir
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, StepRecord, StepSample
 from gputui.telemetry.server import TelemetryServer, serve
+from gputui.telemetry.server import admission as admission_module
+from gputui.telemetry.server import listener as listener_module
+from gputui.telemetry.server import peers as peers_module
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +78,7 @@ def test_a_client_gets_who_the_run_so_far_then_live_records(served):
     for step in range(1, 6):
         hub.publish(sample(step, loss=1.0 / step))
     hub.emit(Event("paused", 5, {"reason": "test"}))
-    until(lambda: len(server._events) == 1)  # the server thread took them in: the event came last
+    until(lambda: len(server._so_far.events) == 1)  # the server thread took them in: the event came last
     with Connection(server.path) as conn:
         welcome = conn.welcome()
         assert welcome.hello["pid"] == os.getpid() and welcome.info.argv == ("train.py",)
@@ -91,17 +93,17 @@ def test_a_client_gets_who_the_run_so_far_then_live_records(served):
 def test_the_welcome_is_built_once_per_change_of_the_run_not_per_connection(served, monkeypatch):
     hub, server = served
     built = []
-    to_json = server._series.to_json  # the history: the largest part of a welcome
-    monkeypatch.setattr(server._series, "to_json", lambda: built.append(1) or to_json())
+    to_json = server._so_far.series.to_json  # the history: the largest part of a welcome
+    monkeypatch.setattr(server._so_far.series, "to_json", lambda: built.append(1) or to_json())
     hub.start(RunInfo(device="cpu"))
     for step in range(1, 4):
         hub.publish(sample(step))
-    until(lambda: not server._queue and server._last_step is not None and server._last_step.step == 3)
+    until(lambda: not server._queue and server._so_far.last_step is not None and server._so_far.last_step.step == 3)
     with Connection(server.path) as first, Connection(server.path) as second:
         assert first.welcome().latest.step == second.welcome().latest.step == 3
     assert len(built) == 1
     hub.publish(sample(4))
-    until(lambda: server._last_step.step == 4)
+    until(lambda: server._so_far.last_step.step == 4)
     with Connection(server.path) as third:
         assert third.welcome().latest.step == 4
     assert len(built) == 2
@@ -151,7 +153,7 @@ def test_malformed_and_oversized_messages(served):
 
 def test_a_client_that_stops_reading_is_dropped_and_the_publisher_never_waits(served, monkeypatch):
     hub, server = served
-    monkeypatch.setattr(server_module, "MAX_PENDING", 64 * 1024)  # 3000 steps: ~400 KiB, ~200 in the kernel
+    monkeypatch.setattr(peers_module, "MAX_PENDING", 64 * 1024)  # 3000 steps: ~400 KiB, ~200 in the kernel
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(server.path)
@@ -230,7 +232,7 @@ def test_one_connection_may_have_only_a_few_requests_waiting(served):
         for _ in range(6):
             conn.request("top_tensors")  # each costs the training thread a walk of the heap
         replies = answers(conn, 6)
-        assert [r["kind"] for r in replies] == ["ack"] * server_module.MAX_CONTROLS_PER_CLIENT + ["error"] * 2
+        assert [r["kind"] for r in replies] == ["ack"] * admission_module.MAX_CONTROLS_PER_CLIENT + ["error"] * 2
         assert "4 requests from this connection are waiting" in replies[-1]["reason"]
         queued = hub.controls.drain()
         assert len(queued) == 4
@@ -240,7 +242,7 @@ def test_one_connection_may_have_only_a_few_requests_waiting(served):
 
 def test_all_connections_together_have_a_bound_and_a_run_end_clears_it(served, monkeypatch):
     hub, server = served
-    monkeypatch.setattr(server_module, "MAX_CONTROLS", 6)
+    monkeypatch.setattr(admission_module, "MAX_CONTROLS", 6)
     first, second = steering(server.path), steering(server.path)
     with first, second:
         for _ in range(4):
@@ -259,7 +261,7 @@ def test_all_connections_together_have_a_bound_and_a_run_end_clears_it(served, m
 
 def test_past_the_total_cap_the_client_furthest_behind_is_dropped_first(served, monkeypatch):
     hub, server = served
-    monkeypatch.setattr(server_module, "MAX_BUFFERED", 2 * 2**20)
+    monkeypatch.setattr(peers_module, "MAX_BUFFERED", 2 * 2**20)
     line = len(protocol.encode({"kind": "steps", "rows": [StepRecord.of(sample(1)).row()]}))
 
     def stuck():
@@ -310,15 +312,16 @@ def test_the_welcome_is_built_once_per_change_not_per_connection(served, monkeyp
     hub.start(RunInfo(device="cpu", argv=("train.py",)))
     hub.publish(sample(1))
     built = []
-    to_json = server._series.to_json
-    monkeypatch.setattr(server._series, "to_json", lambda: built.append(1) or to_json())
-    until(lambda: server._last_step is not None and server._last_step.step == 1)  # folded in before any welcome
+    to_json = server._so_far.series.to_json
+    monkeypatch.setattr(server._so_far.series, "to_json", lambda: built.append(1) or to_json())
+    so_far = server._so_far
+    until(lambda: so_far.last_step is not None and so_far.last_step.step == 1)  # folded in before any welcome
     for _ in range(20):
         with Connection(server.path) as conn:
             assert conn.welcome().latest.step == 1
     assert len(built) == 1
     hub.publish(sample(2))
-    until(lambda: server._last_step.step == 2)
+    until(lambda: server._so_far.last_step.step == 2)
     with Connection(server.path) as conn:
         assert conn.welcome().latest.step == 2, "a change rebuilds it"
     assert len(built) == 2
@@ -326,7 +329,7 @@ def test_the_welcome_is_built_once_per_change_not_per_connection(served, monkeyp
 
 def test_one_client_too_many_is_told_and_closed(served, monkeypatch):
     hub, server = served
-    monkeypatch.setattr(server_module, "MAX_CLIENTS", 2)
+    monkeypatch.setattr(listener_module, "MAX_CLIENTS", 2)
     with Connection(server.path) as a, Connection(server.path) as b:
         a.welcome()
         b.welcome()

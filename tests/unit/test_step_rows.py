@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gputui.telemetry import protocol
-from gputui.telemetry.client import Connection, checked
+from gputui.telemetry.checks import checked
+from gputui.telemetry.client import Connection
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.protocol import ProtocolError, clean, encode, parse_server
 from gputui.telemetry.run import RunInfo
-from gputui.telemetry.sample import Event, HostReading, Memory, RankMemory, StepRecord, StepSample
+from gputui.telemetry.sample import STEP_ROW, Event, HostReading, Memory, RankMemory, StepRecord, StepSample
 from gputui.telemetry.server import TelemetryServer
 
 
@@ -64,6 +65,24 @@ def test_the_row_layout_is_the_samples_fields_in_order():
     assert len(row) == len(fields(StepSample))
     assert len(row[10]) == len(fields(Memory)) and len(row[12]) == len(fields(HostReading))
     assert all(len(rank) == len(fields(RankMemory)) for rank in row[15])
+
+
+def test_the_row_is_protocol_version_2s_layout():
+    """The row is read from the records' declarations (telemetry/rows.py): a field added, moved or renamed
+    there changes what every step sends, which a client of version 2 would misread or refuse."""
+    assert protocol.VERSION == 2
+    assert STEP_ROW.names == (
+        *("t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp", "checkpointing"),
+        *("samples_per_s", "memory", "samples", "host", "loss_source", "steps_per_s", "ranks"),
+    )
+    layouts = {inner.cls: inner.names for _, inner, _ in STEP_ROW.nested}
+    assert layouts[Memory] == (
+        *("device", "allocated", "reserved", "fragmented", "peak", "capacity", "rss", "params", "grads"),
+        *("optimizer", "activations", "alloc_retries", "ooms", "active", "device_free", "nvml_used"),
+        "nvml_device_used",
+    )
+    assert layouts[HostReading] == ("rss", "cpu_percent", "system_used", "system_total")
+    assert layouts[RankMemory] == ("rank", "micro_batch", "peak", "capacity", "loss", "samples_per_s", "ooms")
 
 
 def test_a_record_gives_the_charts_its_step_loss_and_memory_without_a_sample():

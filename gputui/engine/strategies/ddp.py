@@ -112,7 +112,7 @@ class Ddp:
             raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
 
     # -- the boundary -----------------------------------------------------------------------
-    def at_boundary(self) -> bool:
+    def at_boundary(self, batch: Any) -> bool:
         """One rank's boundary: apply what the last exchange announced (every rank the same, so every
         rank the same state), then keep what was requested here for the next exchange. A stop, a
         signal or a control on one rank reaches the others there, one step later."""

@@ -47,8 +47,8 @@ class Single:
     def end(self, epochs_done: int) -> None:
         pass
 
-    def at_boundary(self) -> bool:
-        return self.boundary.passed()
+    def at_boundary(self, batch: Any) -> bool:
+        return self.boundary.passed(batch)
 
     def train(self, batch: Any, has_next: bool) -> bool | None:
         """Train on one global batch, retrying it after OOMs; None: stopped before it was trained."""

@@ -1,0 +1,119 @@
+"""What a new client gets before the live records: who the job is, and the run so far.
+
+The server keeps its own view of the run, folded in its thread in publication order, so a new client
+never sees a record twice: the run's start info and end summary, its history in bounded points, the
+recent events, the last step and GPU reading, and the script's recent output. The welcome's bytes
+are built once per change of that view, not per connection: a flood of connections costs no
+serializing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from typing import Any
+
+from ..history import RunSeries
+from ..hub import Hub
+from ..protocol import clean, encode
+from ..sample import StepRecord
+from .printed import Printed
+
+RECENT_EVENTS = 200
+"""Events a new client receives as the past."""
+
+FOLD_AT = 4096
+"""Steps kept unfolded at most: the history stays bounded (it halves) with no client for days."""
+
+
+class RunSoFar:
+    def __init__(self, hub: Hub, printed: Printed) -> None:
+        self.hub, self.printed = hub, printed
+        self.started = time.time()
+        self.later = True  # clients may connect later (a listening server): their welcome needs the history
+        self.info: dict[str, Any] | None = None
+        self.summary: dict[str, Any] | None = None
+        self.last_step: StepRecord | None = None  # as an object: encoded only when a client wants it
+        self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        self.series = RunSeries()
+        self.gpus: dict[str, Any] | None = None
+        self._gpus_at = 0.0
+        self._unfolded: list[StepRecord] = []  # steps not in the series yet: folded for a welcome
+        self._changes = 0
+        self._welcome: tuple[tuple[int, int], bytes] | None = None
+
+    def step(self, record: StepRecord) -> None:
+        self._changes += 1
+        self.last_step = record
+        if self.later:
+            self._unfolded.append(record)
+            if len(self._unfolded) >= FOLD_AT:
+                self._fold()
+
+    def record(self, kind: str, item: Any) -> dict[str, Any]:
+        """Fold a record other than a step in; returns it as sent (cleaned)."""
+        self._changes += 1
+        if kind == "start":
+            self.info, self.summary, self.last_step = item.to_json(), None, None
+            self.events.clear()
+            self.series.clear()
+            self._unfolded.clear()
+            return clean({"kind": "start", "runs": self.hub.runs, "info": self.info})
+        if kind == "event":
+            record = clean(item.to_json())
+            self.events.append(record)
+            return record
+        self.summary = item.to_json()
+        return clean({"kind": "end", "summary": self.summary})
+
+    def gpus_record(self) -> dict[str, Any] | None:
+        """The hub's GPU reading if it is new (looked at once a second), as sent."""
+        now = time.monotonic()
+        if now - self._gpus_at < 1.0:
+            return None
+        self._gpus_at = now
+        reading = self.hub.gpus
+        if reading is None or (self.gpus is not None and reading.t == self.gpus.get("t")):
+            return None
+        self._changes += 1
+        self.gpus = clean(reading.to_json())
+        return self.gpus
+
+    def welcome(self) -> bytes:
+        """Who, the run so far, the recent past, then `live`."""
+        key = (self._changes, self.printed.changes)
+        if self._welcome is not None and self._welcome[0] == key:
+            return self._welcome[1]
+        hello = {
+            "kind": "hello",
+            "pid": os.getpid(),
+            "argv": list(sys.argv),
+            "server_started": self.started,
+            "runs": self.hub.runs,
+            "info": self.info,
+            "summary": self.summary,
+            "controllable": True,
+        }
+        self._fold()
+        records = [clean(hello), clean({"kind": "history", "series": self.series.to_json()}), *self.events]
+        if self.last_step is not None:
+            records.append(clean({"kind": "steps", "rows": [self.last_step.row()]}))
+        if self.gpus is not None:
+            records.append(self.gpus)
+        output = self.printed.recent()
+        if output is not None:
+            records.append(output)
+        records.append({"kind": "live"})
+        welcome = b"".join(encode(record) for record in records)
+        self._welcome = (key, welcome)
+        return welcome
+
+    def _fold(self) -> None:
+        """The steps since the last fold into the history a welcome sends, from their records' figures
+        (no sample made): when a client comes or FOLD_AT have gathered, not each step."""
+        add = self.series.add
+        for item in self._unfolded:
+            add(*item.charted())
+        self._unfolded.clear()

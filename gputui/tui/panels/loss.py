@@ -1,0 +1,90 @@
+"""The loss panel: the latest, smoothed and lowest loss, and the run's loss chart."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+from rich.text import Text
+
+from ..chart import Chart, Reader, Row, Series
+from ..view import RunView
+from .base import ChartPanel, axis, flow, legend
+
+RAW, SMOOTHED = "dim", "bold green"  # the loss chart's lines
+
+
+class LossTrend:
+    """The loss panel's figures, extended by each new point (never recomputed over the whole run):
+    the smoothed line (an exponential moving average with bias correction, as TensorBoard smooths),
+    the lowest point, and the chart's top, the highest of the later 90% of the run (the first steps'
+    loss is often far above the rest: the part being trained now is not squashed flat)."""
+
+    def __init__(self, weight: float = 0.9) -> None:
+        self.weight = weight
+        self.reader = Reader()
+        self.raw: Sequence[float] = []
+        self.smoothed: list[float] = []
+        self.best = 0  # the lowest point's index (its first)
+        self._ema = 0.0
+        self._later: deque[int] = deque()  # the later 90%'s indices that may yet be its highest, values falling
+
+    def read(self, raw: Sequence[float]) -> None:
+        start = self.reader.read(raw)
+        if not start:  # a new list (the history halved, a new run): a new smoothed list too, for the chart
+            self.smoothed, self.best, self._ema = [], 0, 0.0
+            self._later.clear()
+        self.raw = raw
+        w = self.weight
+        for i in range(start, len(raw)):
+            v = raw[i]
+            self._ema = w * self._ema + (1 - w) * v
+            self.smoothed.append(self._ema / (1 - w ** (i + 1)))
+            if v < raw[self.best]:
+                self.best = i
+            while self._later and raw[self._later[-1]] <= v:
+                self._later.pop()
+            self._later.append(i)
+        while self._later and self._later[0] < len(raw) // 10:
+            self._later.popleft()
+
+    @property
+    def top(self) -> float | None:
+        """max(raw[len(raw) // 10:]), from 20 points on."""
+        return self.raw[self._later[0]] if len(self.raw) >= 20 else None
+
+
+class LossPanel(ChartPanel):
+    def __init__(self, view: RunView, *, id: str | None = None) -> None:
+        super().__init__(view, Chart(), id=id)
+        self.trend = LossTrend()
+
+    def shows(self) -> Hashable:
+        return self.view.generation, self.view.samples_seen, self.view.exit_code, self.view.training
+
+    def title(self) -> Text:
+        return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
+
+    def make_lines(self, width: int, height: int) -> list[Text | Row]:
+        v = self.view
+        if not len(v.series.loss):
+            ended = v.exit_code is not None
+            return [Text("no loss was seen" if ended else "waiting for the first loss…", style="dim")]
+        raw = v.series.loss.values
+        self.trend.read(raw)
+        smoothed, best = self.trend.smoothed, self.trend.best
+        latest = v.latest.loss if v.latest and v.latest.loss is not None else raw[-1]
+        head = [
+            Text(f"{latest:.4g}", style="bold"),
+            Text(f"smoothed {smoothed[-1]:.4g}", style="green"),
+            Text(f"min {raw[best]:.4g} @ {v.series.loss.steps[best]}", style="dim"),
+        ]
+        if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
+            head.append(Text(f"from {v.latest.loss_source}", style="italic"))
+        lines: list[Text | Row] = list(flow(head, width))
+        rows = height - len(lines) - 1
+        if rows >= 2:
+            self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
+            lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
+            lines.append(axis(v.series.loss.steps, width, self.chart.extent))
+        return lines
