@@ -55,7 +55,7 @@ class Runner:
         if tracker is not None:
             self.state.shapes = shapes(batch)
             key = (size, self.precision.mode, self.checkpointing.enabled, self.state.shapes)
-            tracker.start_step(key, tensors(batch))
+            tracker.start_step(key, lambda: tensors(batch))
         self.probe.start_step()
 
     def cut(self, batch: Any, size: int) -> list[Any]:

@@ -157,6 +157,7 @@ class Trainer:
             from .strategies.fsdp import Fsdp
 
             self.strategy = (Fsdp if group.fsdp else Ddp)(group, agreement, hub, *parts)
+        self._at_boundary, self._train = self.strategy.at_boundary, self.strategy.train  # bound once
         self.more = True  # under torchrun: whether every rank has another batch, as the last step said
         self._warned_loss = False
 
@@ -167,11 +168,11 @@ class Trainer:
         state = self.state
         if batch is not None:
             state.batch_size = batch_size(batch)
-        if not self.strategy.at_boundary(batch):
+        if not self._at_boundary(batch):
             return False
         if batch is not None:
             self.planning.at_boundary(batch)
-        more = self.strategy.train(batch, has_next)
+        more = self._train(batch, has_next)
         if more is None:
             return False
         self.more = more

@@ -207,17 +207,18 @@ class StateTracker:
             self._free_activations()
         self.sync_grads()
 
-    def start_step(self, shape: Hashable | None = None, inputs: Iterable[torch.Tensor] = ()) -> None:
+    def start_step(self, shape: Hashable | None = None, inputs: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
         """A step (or a retry of one) begins; `shape`: what its saved activations depend on, if the
-        caller knows (see the module doc); `inputs`: its batch's tensors, whose storages (a data set
-        the batch was sliced from, say) are not its activations. Decides whether this step counts them."""
+        caller knows (see the module doc); `inputs()`: its batch's tensors, whose storages (a data set
+        the batch was sliced from, say) are not its activations (asked only of a step that counts).
+        Decides whether this step counts them."""
         now = time.monotonic()
         shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted
         self.counting = self.budget is not None or shape is None or shape != last_shape or now - last_start >= RECOUNT_S
         self._shape, self._started = (shape, now) if self.counting else (None, 0.0)
         if self.counting:
-            self._inputs = {storage_key(t)[0] for t in inputs}
+            self._inputs = {storage_key(t)[0] for t in inputs()}
         self.peak = self.total if self.counting else max(self.total, last_peak)
 
     def breakdown(self) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -29,8 +30,10 @@ class Single:
         generators: Generators,
         buffers: Buffers,
     ) -> None:
-        self.runner, self.recovery, self.boundary, self.state = runner, recovery, boundary, state
+        self.runner, self.recovery, self.state = runner, recovery, state
         self.generators, self.buffers = generators, buffers
+        self.at_boundary: Callable[[Any], bool] = boundary.passed  # bound once: the step calls it directly
+        self._at = Progress()  # where the attempt under way is (one object, reset each attempt)
 
     def start(self) -> None:
         reason = self.recovery.no_budget_left()
@@ -38,17 +41,14 @@ class Single:
             raise FitError(reason)
 
     def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, bool]]:
-        for batch in data:
-            yield batch, True
+        """Each batch as its step comes (no read ahead), with "more" always (one process asks no one)."""
+        return zip(data, repeat(True))
 
     def set_epoch(self, epoch: int) -> None:
         pass
 
     def end(self, epochs_done: int) -> None:
         pass
-
-    def at_boundary(self, batch: Any) -> bool:
-        return self.boundary.passed(batch)
 
     def train(self, batch: Any, has_next: bool) -> bool | None:
         """Train on one global batch, retrying it after OOMs; None: stopped before it was trained."""
@@ -71,10 +71,10 @@ class Single:
 
     def _attempt(self, batch: Any, size: int) -> OomInfo | None:
         """One try at a global batch in micro-batches of `size`; the OOM if it ran out of memory."""
-        runner = self.runner
-        pieces = runner.cut(batch, size)
-        at = Progress()
+        runner, at = self.runner, self._at
+        at.phase = "forward"
         loss_sum: torch.Tensor | None
+        pieces = [batch] if size >= self.state.batch_size else runner.cut(batch, size)
         try:
             if len(pieces) == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
                 loss = runner.forward(batch)
