@@ -12,9 +12,7 @@ gputui.fit runs, the observer stands aside.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +24,8 @@ from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
 from ..probes.tensors import top_training_tensors
 from ..telemetry.hub import Hub
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, Memory, StepRecord, StepSample, finite
+from ..telemetry.sample import Event, StepRecord, StepSample, finite
+from .diagnosis import remedies, user_frame
 from .fetched import Fetched
 from .oom import is_oom
 from .session import RunSession
@@ -327,7 +326,7 @@ class Observer:
     def diagnose(self, exc: BaseException) -> dict[str, Any]:
         """Where an OOM struck, the memory then, the largest tensors (the failed step's frames are
         still alive), and the remedies that fit; emitted as an event and returned."""
-        where = _user_frame(exc)
+        where = user_frame(exc)
         phase = self.phase or self.failed_in or "forward"
         session = self.session
         memory = session.probe.read() if session is not None else None
@@ -339,7 +338,7 @@ class Observer:
             "message": str(exc).strip().splitlines()[0],
             "memory": memory.to_json() if memory else None,
             "top": top["rows"][:8],
-            "remedies": _remedies(phase, memory),
+            "remedies": remedies(phase, memory),
             "recovered": False,
         }
         if session is None:
@@ -379,45 +378,3 @@ def _innermost_hooks() -> Any:
         return torch._C._autograd._top_saved_tensors_default_hooks(True)
     except (AttributeError, TypeError):  # an older torch, without it or its argument
         return None
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost frame of the script's own code (not torch's, not gputui's)."""
-    torch_dir = os.path.dirname(torch.__file__)
-    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((torch_dir, ours)) and not f.filename.startswith("<frozen")
-    ]
-    if not frames:
-        return "unknown"
-    f = frames[-1]
-    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
-
-
-def _remedies(phase: str, memory: Memory | None) -> list[str]:
-    fit = (
-        "gputui.fit would have caught this OOM and replayed the batch with half the micro-batch (README: Adopting fit)"
-    )
-    if phase == "optimizer":
-        return [
-            "the optimizer's state does not shrink with the batch: a lighter optimizer (SGD with momentum, "
-            "Adafactor, 8-bit Adam) or fewer trainable parameters",
-            "more memory: --gpu-memory-limit / the budget is lower than the model needs",
-        ]
-    advice = [
-        "a smaller batch, with gradient accumulation to keep the effective batch (fit does it live: b)",
-        "activation checkpointing on the repeated blocks (fit: c)",
-        "mixed precision: torch.autocast with bf16 (fit: a)",
-    ]
-    if memory is not None and memory.fragmented and memory.reserved:
-        share = memory.fragmented / memory.reserved
-        if share > 0.2:
-            advice.append(
-                f"{share:.0%} of reserved memory is fragmented: "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator reuse it"
-            )
-    if phase == "backward":
-        advice.insert(0, "backward needs the activations saved in forward: checkpointing trades them for compute")
-    return [*advice, fit]
