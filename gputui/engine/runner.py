@@ -15,6 +15,7 @@ from torch import nn
 from ..probes.cpu import StateTracker
 from ..step.checkpointing import Checkpointing
 from ..step.microbatch import shapes, tensors, to_device, token_weighted
+from ..step.pieces import Progress, run_pieces
 from ..step.precision import Precision
 from .deferred import DeferredLoss
 from .oom import Buffers
@@ -108,6 +109,21 @@ class Runner:
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.precision.scaler
         (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def run(
+        self,
+        pieces: list[Any],
+        counts: list[int],
+        units: int,
+        weight: Callable[[int], float],
+        at: Progress,
+        **how: Any,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pieces through step/pieces.py's one loop with this run's forward and backward (`how`:
+        the strategy's sync, skip_empty, hold_last)."""
+        return run_pieces(
+            pieces, counts, units, self.forward, self.backward, weight, after=self.piece_done, at=at, **how
+        )
 
     def piece_done(self) -> None:
         tracker = self.tracker

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...step.pieces import Progress, run_pieces
+from ...step.pieces import Progress
 from ...telemetry.hub import Hub
 from ..boundary import Boundary
 from ..oom import Buffers, Generators, OomInfo, drop, is_oom
@@ -273,18 +273,7 @@ class Ddp:
         try:
             counts, state.units = runner.counts(pieces, size)  # weighted by this rank's share until the exchange
             units = state.units
-            loss_sum, loss = run_pieces(
-                pieces,
-                counts,
-                units,
-                runner.forward,
-                runner.backward,
-                lambda n: n / units,
-                sync=self._sync,
-                hold_last=True,
-                after=runner.piece_done,
-                at=at,
-            )
+            loss_sum, loss = runner.run(pieces, counts, units, lambda n: n / units, at, sync=self._sync, hold_last=True)
             return Forwarded(loss, counts[-1], len(pieces), loss_sum, None)
         except Exception as exc:
             if is_oom(exc):

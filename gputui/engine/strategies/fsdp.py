@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from ...step.pieces import Progress, run_pieces
+from ...step.pieces import Progress
 from ..oom import is_oom
 from ..result import Failure, FitError
 from .ddp import Ddp
@@ -40,17 +40,9 @@ class Fsdp(Ddp):
             counts = runner.counts(pieces, size)[0] if real > 1 else [units]
             counts += [0] * (count - real)
             pieces += [pieces[-1]] * (count - real)
-            loss_sum, _ = run_pieces(
-                pieces,
-                counts,
-                units,
-                runner.forward,
-                runner.backward,
-                lambda n: world * n / agreed.items,  # FSDP averages over the ranks, as DDP does
-                sync=self._sync,
-                skip_empty=False,  # each pass is a collective: a piece of no items runs at weight 0
-                after=runner.piece_done,
-                at=at,
+            # FSDP averages over the ranks, as DDP does; each pass is a collective: an empty piece runs at weight 0
+            loss_sum, _ = runner.run(
+                pieces, counts, units, lambda n: world * n / agreed.items, at, sync=self._sync, skip_empty=False
             )
             at.phase = "optimizer"
             d.broadcast_buffers()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ...step.pieces import Progress, run_pieces
+from ...step.pieces import Progress
 from ..boundary import Boundary
 from ..oom import Buffers, Generators, OomInfo, is_oom
 from ..recovery import Recovery
@@ -87,16 +87,7 @@ class Single:
                 counts, units = runner.counts(pieces, size)
                 if not units:
                     raise self.recovery.no_items(everywhere=False)
-                loss_sum, _ = run_pieces(
-                    pieces,
-                    counts,
-                    units,
-                    runner.forward,
-                    runner.backward,
-                    lambda n: n / units,
-                    after=runner.piece_done,
-                    at=at,
-                )
+                loss_sum, _ = runner.run(pieces, counts, units, lambda n: n / units, at)
             at.phase = "optimizer"
             runner.optimizer_step()
         except Exception as exc:
