@@ -23,7 +23,7 @@ from ..telemetry.describe import number
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
 from ..units import format_bytes, format_figure
-from .keys import KEYS, shown
+from .keys import KEYS, for_remedy, shown
 from .messages import RequestControl, ShowScreen
 from .view import RunView
 
@@ -423,7 +423,7 @@ def plan_cells(o: Mapping[str, Any], capacity: float | None, *, stale: bool) -> 
     if o.get("reason"):
         how += f": {o['reason']}"
     return [
-        cell(str(o.get("key") or ""), "bold"),
+        cell(for_remedy(o.get("remedy")), "bold"),
         cell(remedy),
         cell(f"{o.get('micro_batch', '?')} × {o.get('accumulation', '?')}"),
         cell(str(o.get("amp", "?"))),
