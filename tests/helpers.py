@@ -231,7 +231,7 @@ class RequestAt(Sink):
 def halving_only(monkeypatch) -> None:
     """OOM recovery halves, as it does when nothing can be predicted: the tests of replay itself want
     the several retries of a budget (the planner would pick the micro-batch that fits at once)."""
-    from gputui.engine.planning import Planner
+    from gputui.plan import Planner
 
     monkeypatch.setattr(Planner, "after_oom", lambda *args, **kwargs: None)
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plan import NoPrediction, Planner, Setting
+from ..plan.planner import NEAR_CAPACITY
 from ..probes.cpu import CpuProbe
 from ..step.checkpointing import Checkpointing
 from ..step.microbatch import shapes
@@ -18,7 +20,6 @@ from ..telemetry.controls import Control
 from ..telemetry.sample import Memory
 from ..units import format_bytes
 from .oom import OomInfo
-from .planning import NEAR_CAPACITY, NoPrediction, Planner, Setting
 from .session import RunSession
 from .state import RunState
 
@@ -52,7 +53,7 @@ class PlanningHook:
             checkpoint_modules=checkpoint_modules,
             checkpointing_unavailable=checkpointing.unavailable(),
             blocks=len(checkpointing.blocks),
-            min_micro_batch=state.sizing.floor,
+            sizing=state.sizing,
             amp_unsupported=precision.unsupported,
             emit=session.emit,
             refuse=session.refuse,
@@ -144,22 +145,20 @@ class PlanningHook:
             return total, f"auto: the device's capacity is unknown, {whole}"
         floor = self.state.sizing.floor
         try:
-            planner = self.get()
+            predictions = self.get().predictions
             s = self.setting()
-            found = planner.largest(s.amp, s.checkpointing, floor, total, batch, shapes(batch), capacity)
+            found = predictions.largest(s.amp, s.checkpointing, floor, total, batch, shapes(batch), capacity)
             if found is None:
                 return floor, "auto: no micro-batch is predicted to fit, so the smallest"
-            chosen = planner.prediction(self.setting(found), batch, shapes(batch))
+            chosen = predictions.get(self.setting(found), batch, shapes(batch))
         except NoPrediction:
-            return total, f"auto: no prediction ({self.get().untraceable(self.setting())}), {whole}"
+            return total, f"auto: no prediction ({self.get().predictions.untraceable(self.setting())}), {whole}"
         except Exception as exc:  # a bug of ours must not stop a run that would train
             return total, f"auto: the planner failed ({type(exc).__name__}: {exc}), {whole}"
         assert chosen is not None
         how = "predicted" if chosen.exact else "estimated"
-        return (
-            found,
-            f"auto: {how} peak {format_bytes(planner.peak(chosen))} of {format_bytes(capacity)}, the largest that fits",
-        )
+        peak = format_bytes(predictions.peak(chosen))
+        return found, f"auto: {how} peak {peak} of {format_bytes(capacity)}, the largest that fits"
 
     # -- after an OOM, after a step ---------------------------------------------------------
     def after_oom(self, oom: OomInfo, batch: Any) -> tuple[int, str] | None:

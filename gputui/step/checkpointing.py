@@ -1,8 +1,11 @@
 """Activation checkpointing over a model's repeated blocks, switched by one flag at a step boundary
-(or a Hugging Face model's own switch): the step runs the same code either way."""
+(or a Hugging Face model's own switch): the step runs the same code either way. The planner switches
+it on its fake copy of the model with the same class (`Checkpointing.force`)."""
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +44,17 @@ def find_hugging_face(model: nn.Module) -> nn.Module | None:
 _LAYER = ("gradient_checkpointing", "_gradient_checkpointing_func")
 _INPUT_HOOKS = ("_require_grads_hooks", "_require_grads_hook")
 _UNSET = object()
+_WRAPPERS: weakref.WeakValueDictionary[int, Callable[..., Any]] = weakref.WeakValueDictionary()
+"""Every block wrapper a Checkpointing installed and that is still alive, by id."""
+
+
+def strip_wrappers(model: nn.Module) -> None:
+    """A deep copy of a model a Checkpointing wrapped, without the wrappers: deepcopy keeps a function
+    as it is, so each of the copy's blocks would still call the block its wrapper was made for."""
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is not None and _WRAPPERS.get(id(forward)) is forward:
+            del module.forward
 
 
 def _attributes(module: nn.Module, names: Sequence[str]) -> tuple[Any, ...]:
@@ -86,6 +100,14 @@ class _HuggingFace:
     def _layers(self) -> dict[Any, tuple[Any, ...]]:  # Any: nn.Module types its attributes as tensors
         return {m: _attributes(m, _LAYER) for m in self.model.modules() if hasattr(m, "gradient_checkpointing")}
 
+    def force(self, on: bool, function: Callable[..., Any]) -> None:
+        """Every layer's flag set to `on`, and on, `function` as what it checkpoints with, whatever was
+        enabled before (the planner's copy: no choice of the script's must survive there)."""
+        for module in self._layers():
+            module.gradient_checkpointing = on
+            if on:
+                module._gradient_checkpointing_func = function
+
     def set(self, on: bool) -> None:
         if not on:
             for module in self._layers():
@@ -122,9 +144,14 @@ class Checkpointing:
     the run trained with last, for the run's end record.
     """
 
-    def __init__(self, model: nn.Module, modules: Sequence[nn.Module] | None = None) -> None:
-        self.on_inputs: Callable[[tuple[Any, ...]], None] | None = None
+    def __init__(
+        self, model: nn.Module, modules: Sequence[nn.Module] | None = None, *, preserve_rng_state: bool = True
+    ) -> None:
+        self.on_inputs: Callable[[tuple[Any, ...]], object] | None = None
         """Told each checkpointed block's inputs: the checkpoint keeps them alive for backward."""
+        self.preserve_rng_state = preserve_rng_state
+        """False for the planner's copy: its fake dropout draws nothing and its devices may not be
+        initialized, so no RNG is saved and restored around a recompute."""
         self._installed: list[tuple[nn.Module, Any]] = []
         hf = find_hugging_face(model) if modules is None else None
         self.hf = _HuggingFace(hf) if hf is not None else None
@@ -162,6 +189,20 @@ class Checkpointing:
                 self._install(block)
         self.enabled = on
 
+    def force(self, on: bool) -> None:
+        """`set(on)` for a copy of a model: a Hugging Face model's layers all switched to checkpoint as the
+        blocks here do, whatever the script had enabled (a copy keeps the functions it was copied with)."""
+        if on and self.unavailable():
+            raise ValueError(self.unavailable())
+        if self.hf:
+            self.hf.force(
+                on, functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+            )
+        elif on and not self._installed:
+            for block in self.blocks:
+                self._install(block)
+        self.enabled = on
+
     def _install(self, block: nn.Module) -> None:
         own = block.__dict__.get("forward")  # an instance forward someone set before us
         original = block.forward
@@ -172,10 +213,12 @@ class Checkpointing:
                 # hook counts it), and a call out of the graph here would break it at every block.
                 if self.on_inputs is not None and not torch.compiler.is_compiling():
                     self.on_inputs(args)
-                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+                return checkpoint(
+                    original, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs
+                )
             return original(*args, **kwargs)
 
-        forward.gputui_checkpointing = True  # type: ignore[attr-defined]  # plan.py strips it from copies
+        _WRAPPERS[id(forward)] = forward
         block.forward = forward
         self._installed.append((block, own))
 

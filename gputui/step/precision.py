@@ -16,6 +16,13 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _OFF = contextlib.nullcontext()  # reusable: one made at each step's forward costs a call
 
 
+def autocast(device: torch.device, mode: str) -> AbstractContextManager[Any]:
+    """The autocast a step's forward runs under in `mode` (fit's step and the planner's trace)."""
+    if mode == "off":
+        return _OFF
+    return torch.autocast(device.type, dtype=AMP_DTYPES[mode])
+
+
 class Precision:
     """Autocast dtype, plus a GradScaler while fp16 is on (bf16 needs none)."""
 
@@ -52,6 +59,4 @@ class Precision:
         self.scaler = torch.amp.GradScaler(self.device.type) if mode == "fp16" else None
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.mode == "off":
-            return _OFF
-        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.mode])
+        return autocast(self.device, self.mode)

@@ -88,7 +88,7 @@ def _plan(e: Event) -> str:
 
 
 def plan_lines(e: Event) -> list[str]:
-    """A plan event's options, one line each (for `gputui ctl JOB plan`): key, remedy, predicted peak,
+    """A plan event's options, one line each (for `gputui ctl JOB plan`): remedy, setting, predicted peak,
     its share of capacity and whether it fits, the phase of the peak, exact or why approximate."""
     capacity = number(e.get("capacity"))
     lines = []
@@ -97,9 +97,9 @@ def plan_lines(e: Event) -> list[str]:
         share = f"{peak / capacity:4.0%}" if capacity and peak is not None else "   -"
         fits = ("fits" if o["fits"] else "does not fit") if isinstance(o.get("fits"), bool) else ""
         how = "exact" if o.get("exact") else f"approx: {o.get('reason')}"
-        key = str(o.get("key") or "-")
+        remedy = str(o.get("remedy") or "-")
         lines.append(
-            f"  {key:<2} {str(o.get('label', '?')):<24} {format_bytes(peak, missing='?'):>10} {share} {fits:<13} "
+            f"  {remedy:<13} {str(o.get('label', '?')):<24} {format_bytes(peak, missing='?'):>10} {share} {fits:<13} "
             f"peak in {o.get('phase', '?')}, {how}"
         )
     correction = number(e.get("correction"))

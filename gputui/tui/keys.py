@@ -1,5 +1,5 @@
-"""The main screen's keys: one table for the footer, the remedies bar, the help screen, the palette and
-the view's checks."""
+"""The main screen's keys: one table for the footer, the remedies bar, the help screen, the palette, the
+view's checks and the planner's rows (named by remedy: which key leads to each)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ class Key:
     (watch-only, refused, ended): the key always acts, and the screen says why it cannot ask."""
     name: str | None = None
     """The label in full, where a panel has the room (the remedies bar); None where the label is whole."""
+    remedy: str | None = None
+    """The remedy the planner names the row of what this key leads to (a `plan` option's `remedy`); None
+    for a key the planner does not predict."""
 
     def called(self, long: bool) -> str:
         """Its label, in full if `long`."""
@@ -33,6 +36,7 @@ KEYS = (
         "halve",
         "Halve the micro-batch: accumulation doubles, the global batch, sampler and LR schedule stay as they are.",
         "halve_batch",
+        remedy="halve",
     ),
     Key(
         "B",
@@ -40,8 +44,16 @@ KEYS = (
         "double",
         "Double the micro-batch (up to the global batch): faster, more memory.",
         "double_batch",
+        remedy="double",
     ),
-    Key("a", "cycle_amp", "AMP", "Cycle mixed precision: off -> bf16 -> fp16 (with a GradScaler) -> off.", "set_amp"),
+    Key(
+        "a",
+        "cycle_amp",
+        "AMP",
+        "Cycle mixed precision: off -> bf16 -> fp16 (with a GradScaler) -> off.",
+        "set_amp",
+        remedy="amp",
+    ),
     Key(
         "c",
         "toggle_checkpointing",
@@ -50,6 +62,7 @@ KEYS = (
         "recompute activations in backward instead of keeping them (less memory, ~30% more compute).",
         "set_checkpointing",
         name="checkpointing",
+        remedy="checkpointing",
     ),
     Key(
         "f",
@@ -102,8 +115,16 @@ KEYS = (
 
 BY_ACTION = {k.action: k for k in KEYS}
 BY_KEY = {k.key: k for k in KEYS}
+BY_REMEDY = {k.remedy: k for k in KEYS if k.remedy is not None}
 
 
 def shown(key: Key) -> str:
     """The key as the user types it ("?" rather than Textual's "question_mark")."""
     return "?" if key.key == "question_mark" else key.key
+
+
+def for_remedy(remedy: object) -> str:
+    """The key that leads to a plan row's remedy, as the user types it; "" where none does (the setting
+    in force, the best fit, a remedy this version does not know)."""
+    key = BY_REMEDY.get(remedy) if isinstance(remedy, str) else None
+    return shown(key) if key is not None else ""

@@ -19,7 +19,7 @@ from ..telemetry.describe import describe, plan_rows
 from ..telemetry.history import RunSeries
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
-from .keys import BY_ACTION
+from .keys import BY_ACTION, BY_KEY
 from .sources import Update
 
 KINDS = {
@@ -393,10 +393,12 @@ class RunView:
 
     def predicted(self, key: str) -> Mapping[str, Any] | None:
         """The row a remedy key (b, B, a, c) would lead to, from a fresh plan; `a`'s is the mode it switches to."""
-        if not self.plan_fresh:
+        remedy = BY_KEY[key].remedy if key in BY_KEY else None
+        if not self.plan_fresh or remedy is None:
             return None
         amp = self.next_amp()
-        return next((o for o in self.plan_options if o.get("key") == key and (key != "a" or o.get("amp") == amp)), None)
+        rows = (o for o in self.plan_options if o.get("remedy") == remedy)
+        return next((o for o in rows if remedy != "amp" or o.get("amp") == amp), None)
 
     def next_amp(self) -> str:
         current = self.amp or "off"  # a mode this gputui does not know (a newer job's) steps to the first

@@ -270,13 +270,12 @@ def own_loop_run(steps: int = 120) -> FakeSource:
     return FakeSource(samples, [], info("cpu", "CPU", mode="observe", total_steps=None, epochs=None, refused=refused))
 
 
-def plan_option(remedy, key, label, micro_batch, amp, checkpointing, peak, capacity, **extra) -> dict:
+def plan_option(remedy, label, micro_batch, amp, checkpointing, peak, capacity, **extra) -> dict:
     """A row of a plan event, as the loop's planner sends it; fits below 90% of `capacity`."""
     parameters, optimizer = int(0.5 * GiB), 1 * GiB
     activations = max(0, peak - 2 * parameters - optimizer - 256 * MiB)
     return {
         "remedy": remedy,
-        "key": key,
         "label": label,
         "micro_batch": micro_batch,
         "accumulation": 64 // micro_batch,
@@ -303,13 +302,12 @@ def plan_event(step=300, capacity=80 * GiB, complete=True, rows=None, **details)
     """The planner's table for cuda_run's settings after its OOM (micro-batch 32 x 2, bf16, no
     checkpointing); `rows`: only the first so many (a table still coming in)."""
     options = [
-        plan_option("now", None, "as now", 32, "bf16", False, int(14.1 * GiB), capacity),
-        plan_option("halve", "b", "micro-batch 16x4", 16, "bf16", False, int(8.2 * GiB), capacity),
-        plan_option("double", "B", "micro-batch 64x1", 64, "bf16", False, int(27.9 * GiB), capacity),
-        plan_option("amp", "a", "AMP off", 32, "off", False, int(22.5 * GiB), capacity),
+        plan_option("now", "as now", 32, "bf16", False, int(14.1 * GiB), capacity),
+        plan_option("halve", "micro-batch 16x4", 16, "bf16", False, int(8.2 * GiB), capacity),
+        plan_option("double", "micro-batch 64x1", 64, "bf16", False, int(27.9 * GiB), capacity),
+        plan_option("amp", "AMP off", 32, "off", False, int(22.5 * GiB), capacity),
         plan_option(
             "amp",
-            "a",
             "AMP fp16",
             32,
             "fp16",
@@ -319,8 +317,8 @@ def plan_event(step=300, capacity=80 * GiB, complete=True, rows=None, **details)
             exact=False,
             reason="fp16 estimated from the measured activations",
         ),
-        plan_option("checkpointing", "c", "checkpointing on", 32, "bf16", True, int(6.3 * GiB), capacity),
-        plan_option("best", None, "64x1 ckpt", 64, "bf16", True, int(11.9 * GiB), capacity, phase="optimizer"),
+        plan_option("checkpointing", "checkpointing on", 32, "bf16", True, int(6.3 * GiB), capacity),
+        plan_option("best", "64x1 ckpt", 64, "bf16", True, int(11.9 * GiB), capacity, phase="optimizer"),
     ][:rows]
     return Event(
         "plan",

@@ -33,7 +33,7 @@ def hostile(**details) -> Event:
 def each_missing() -> list[dict]:
     """Every row lacks another key; "now" lacks only its breakdown, so the plan stays fresh."""
     options = plan_event(capacity=20 * GiB)["options"]
-    drops = [("breakdown",), ("peak",), ("label",), ("micro_batch",), ("key",), ("fits", "exact"), ("seconds",)]
+    drops = [("breakdown",), ("peak",), ("label",), ("micro_batch",), ("remedy",), ("fits", "exact"), ("seconds",)]
     return [{k: v for k, v in o.items() if k not in drop} for o, drop in zip(options, drops, strict=True)]
 
 

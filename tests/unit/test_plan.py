@@ -9,6 +9,7 @@ state, saved activations), for every remedy the planner offers.
 from __future__ import annotations
 
 import random
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -353,3 +354,15 @@ def test_predicting_never_steps_the_real_optimizer_nor_its_scheduler_or_hooks(wa
     assert_unchanged(before, everything(model, optimizer))
     assert vars(optimizer)["step"] is wrapped and hooks == []
     assert counters() == counted
+
+
+PRIVATE = re.compile(r"torch\._|_pytree|_python_dispatch|_disable_current_modes|_lru_cache_wrapper|\._cdata|\._orig")
+"""A few of the private torch (and functools) names the planner uses: none may appear outside private.py."""
+
+
+def test_the_planners_private_apis_are_used_in_one_module():
+    """A torch release that moves a private API the planner relies on is mended in plan/private.py alone."""
+    modules = Path(plan.__file__).parent.glob("*.py")
+    users = {m.name for m in modules if m.name != "private.py" and PRIVATE.search(m.read_text())}
+    assert users == set()
+    assert PRIVATE.search((Path(plan.__file__).parent / "private.py").read_text())

@@ -22,7 +22,8 @@ from torch.nn import functional as F
 
 import gputui
 from gputui import plan
-from gputui.engine import planning
+from gputui.plan import planner as planning
+from gputui.plan import trace
 
 
 def fake(t) -> bool:
@@ -207,13 +208,13 @@ def test_a_plan_moves_neither_the_steps_own_generators_nor_its_counters_nor_the_
 
 def counted(monkeypatch) -> list[int]:
     traces: list[int] = []
-    real = plan.predict
+    real = trace.predict
 
     def predict(*args, **kwargs):
         traces.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(plan, "predict", predict)
+    monkeypatch.setattr(trace, "predict", predict)  # where the planner calls it
     return traces
 
 

@@ -98,7 +98,7 @@ class RemediesBar(RunPanel):
         size = format_bytes if long else format_bytes_short
         entries = []
         for k in keys:
-            o = self.view.predicted(shown(k))  # the plan names each option by the key that leads to it
+            o = self.view.predicted(k.key)  # the plan's row of the remedy this key applies
             if o is None:
                 continue
             if k is AMP:

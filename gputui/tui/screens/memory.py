@@ -1,0 +1,91 @@
+"""The memory readings in full: what each figure is and where it comes from."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Footer, Static
+
+from ...units import format_bytes, format_figure
+from ..view import RunView
+from .base import Overlay
+
+
+class MemoryScreen(Overlay):
+    BINDINGS = [*Overlay.BINDINGS, Binding("m", "dismiss", "back", show=False)]
+
+    def __init__(self, view: RunView) -> None:
+        super().__init__()
+        self.view = view
+        self._shown: tuple[int, int, int, str | None] | None = None  # what the report on screen was made of
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(Static(id="memory-text"))
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
+
+    def update(self) -> None:
+        v = self.view
+        key = (v.generation, v.samples_seen, v.ooms, v.cuda_summary)
+        if self.is_mounted and key != self._shown:
+            self._shown = key
+            self.query_one("#memory-text", Static).update(memory_report(v))
+
+
+def memory_report(v: RunView) -> Group:
+    """Every reading of the latest step with what it means, then torch's own summary (CUDA)."""
+    s = v.latest
+    if s is None:
+        return Group(Text("No step yet.", style="dim"))
+    m = s.memory
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(style="dim")
+    rows = [
+        (
+            "allocated",
+            m.allocated,
+            "live tensors"
+            if m.reserved is not None
+            else "tracked training state: parameters + gradients + optimizer state + saved activations",
+        ),
+        ("reserved", m.reserved, "segments PyTorch's caching allocator holds (allocated + cached free)"),
+        ("cached free", m.cached_free, "reserved but holding no tensor: reused before asking the device"),
+        ("fragmented", m.fragmented, "inactive split blocks: free pieces of segments still partly in use"),
+        ("active", m.active, "allocated + blocks freed but not yet reusable (pending stream work)"),
+        ("step peak", m.peak, "the most allocated during the last step"),
+        ("capacity", m.capacity, "device total, --gpu-memory-limit, or the CPU budget"),
+        ("device free", m.device_free, "cudaMemGetInfo: free on the whole device, other processes included"),
+        ("NVML used (this process)", m.nvml_used, "what the driver charges this process"),
+        ("NVML - reserved", m.nvml_gap, "CUDA context, cuBLAS/cuDNN/NCCL workspaces: outside PyTorch"),
+        ("NVML used (device)", m.nvml_device_used, "every process on the device"),
+        ("parameters", m.params, "CPU tracking"),
+        ("gradients", m.grads, "CPU tracking (freed after each optimizer step)"),
+        ("optimizer state", m.optimizer, "CPU tracking (appears at the first step)"),
+        ("saved activations", m.activations, "CPU tracking (freed by backward)"),
+        ("RSS", m.rss, "this process's resident memory (host)"),
+    ]
+    for name, value, meaning in rows:
+        if value is not None:
+            table.add_row(name, format_bytes(value), meaning)
+    table.add_row(
+        "alloc retries",
+        format_figure(m.alloc_retries, ""),
+        "the allocator freed its cache to satisfy a request: slow, a warning sign",
+    )
+    table.add_row("OOMs", str(v.ooms), "seen in this run (recovered or not)")
+    if s.host is not None:
+        h = s.host
+        table.add_row("system memory", f"{format_bytes(h.system_used)} / {format_bytes(h.system_total)}", "host")
+        table.add_row("CPU", format_figure(h.cpu_percent, " %", ".0f"), "this process, 100% = one core")
+    parts: list[RenderableType] = [Text(f"Memory at step {s.step} on {m.device}", style="bold underline"), table]
+    if v.cuda_summary:
+        parts += [Text(""), Text("torch.cuda.memory_summary()", style="bold underline"), Text(v.cuda_summary)]
+    return Group(*parts)
