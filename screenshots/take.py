@@ -70,7 +70,10 @@ async def main_scene(app, pilot, hub) -> None:
 
 
 async def oom_scene(app, pilot, hub) -> None:
+    """The dialog once its table is there (each remedy's predicted peak), as the user reads it."""
     await wait(pilot, lambda: app.view.waiting_oom is not None)
+    await wait(pilot, lambda: app.view.plan is not None and app.view.plan.step >= app.view.waiting_oom.step)
+    await pilot.pause(0.5)
 
 
 async def top_scene(app, pilot, hub) -> None:
