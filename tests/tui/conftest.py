@@ -116,7 +116,7 @@ async def until(pilot, condition, timeout=20.0):
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
-        await pilot.pause(0.05)
+        await pilot.pause(0.01)
 
 
 def text(app, selector):

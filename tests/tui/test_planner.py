@@ -18,7 +18,7 @@ from gputui.tui.view import RunView
 
 
 def make(source) -> GputuiApp:
-    return GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=20)
+    return GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=30)
 
 
 def screen_text(app) -> str:

@@ -377,16 +377,17 @@ def test_a_mirror_of_a_job_of_another_protocol_version_says_so_once_and_does_not
     listener.bind(path)
     listener.listen(4)
     accepted = []
+    stop = threading.Event()
 
-    def serve():  # a job of the last version, still running after an upgrade
-        listener.settimeout(5)
-        try:
-            while True:
+    def serve():  # a job of the last version, still running after an upgrade: it accepts until the test ends
+        listener.settimeout(0.05)
+        while not stop.is_set():
+            try:
                 conn, _ = listener.accept()
-                accepted.append(conn)
-                conn.sendall(b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["old.py"], "runs": 1}\n')
-        except OSError:
-            pass
+            except TimeoutError:
+                continue
+            accepted.append(conn)
+            conn.sendall(b'{"v": 1, "kind": "hello", "pid": 1, "argv": ["old.py"], "runs": 1}\n')
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -399,8 +400,9 @@ def test_a_mirror_of_a_job_of_another_protocol_version_says_so_once_and_does_not
         assert len(accepted) == 1
     finally:
         mirror.stop()
-        listener.close()
+        stop.set()
         thread.join(10)
+        listener.close()
         for conn in accepted:
             conn.close()
 
