@@ -12,7 +12,7 @@ from rich.console import Console
 from gputui.telemetry.sample import RankMemory
 from gputui.tui.app import GputuiApp
 from gputui.tui.panels.ranks import rank_lines
-from gputui.tui.view import Ranks
+from gputui.tui.ranks import Ranks
 
 SIZES = [(80, 24), (120, 40), (160, 48)]
 

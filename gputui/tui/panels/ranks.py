@@ -8,7 +8,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from ...units import format_bytes, format_bytes_short
-from ..view import Ranks, share
+from ..ranks import Ranks, share
 from .base import GAP, RunPanel
 from .memory import ALLOCATED, FREE, WARN_AT
 
