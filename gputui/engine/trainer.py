@@ -162,9 +162,10 @@ class Trainer:
         self._warned_loss = False
 
     # -- one global batch -------------------------------------------------------------------
-    def step(self, batch: Any, has_next: bool = True) -> bool:
+    def step(self, batch: Any, has_next: Any = None) -> bool:
         """Train one global batch (None: this rank's data ran out, the others' not yet): the boundary,
-        the planner's turn, the strategy, the step's record. False: stopped before it was trained."""
+        the planner's turn, the strategy, the step's record. False: stopped before it was trained.
+        `has_next`: under torchrun, what says whether this rank has another batch (strategies/ddp.py)."""
         state = self.state
         if batch is not None:
             state.batch_size = batch_size(batch)

@@ -26,6 +26,9 @@ from ..state import RunState
 from .exchange import Agreement
 from .wrapper import Distributed
 
+HasNext = Callable[[], bool]
+"""Whether this rank has another batch after the step's: asked once the step trains (it reads ahead)."""
+
 HEARTBEAT_S = 1.0
 """While paused, the ranks exchange this often (far within any process group's timeout)."""
 
@@ -78,16 +81,24 @@ class Ddp:
     def set_epoch(self, epoch: int) -> None:
         self.group.set_epoch(epoch)  # a DistributedSampler shuffles by its epoch
 
-    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, bool]]:
-        """(this rank's batch or None once its data ran out, whether it has another): one read ahead,
-        except for the run's last step (`last()`), so the exchange can say whether every rank has more."""
+    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, HasNext]]:
+        """(this rank's batch or None once its data ran out, whether it has another): the next batch is
+        read when the step's training begins (after its boundary: a stop there reads none), except for
+        the run's last step (`last()`), so the exchange can say whether every rank has more."""
         end = object()
         batches = iter(data)
         batch = self._next(batches, end)
         while True:
-            ahead = end if last() or batch is end else self._next(batches, end)
-            yield (None if batch is end else batch), ahead is not end
-            batch = ahead
+            ahead: list[Any] = []
+
+            def has_next(batch: Any = batch, ahead: list[Any] = ahead) -> bool:
+                if not ahead:  # once a step, however many attempts ask
+                    ahead.append(end if last() or batch is end else self._next(batches, end))
+                return ahead[0] is not end
+
+            yield (None if batch is end else batch), has_next
+            has_next()
+            batch = ahead[0]
 
     def _next(self, batches: Iterator[Any], end: object) -> Any:
         """The next batch; one the data cannot give (a worker's error) is this rank's failure, said at
@@ -217,13 +228,14 @@ class Ddp:
         return agreed
 
     # -- one global batch -------------------------------------------------------------------
-    def train(self, batch: Any, has_next: bool) -> bool | None:
+    def train(self, batch: Any, has_next: HasNext) -> bool | None:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
         another batch this epoch. An OOM before the exchange (a forward, a no_sync backward) is this
         rank's alone: it replays its share at half the micro-batch while the others wait in the
         exchange. An OOM in the synced backward is replayed by every rank (the failing one at half
         its micro-batch). What cannot be recovered ends the run on every rank (FitError)."""
         d, recovery = self.group, self.recovery
+        more = has_next()
         self.generators.start()
         self.buffers.save()
         attempt = 0
@@ -244,7 +256,7 @@ class Ddp:
                     if said is not None:
                         self.agreement.failure = Failure(said, oom=True)
                     attempt += 1
-                agreed = self.exchange(here=batch is not None, has_next=has_next)
+                agreed = self.exchange(here=batch is not None, has_next=more)
                 if agreed.fatal or not agreed.all_have_batch:
                     recovery.drop_step()
                     raise recovery.job_error(self.agreement.failure, agreed)

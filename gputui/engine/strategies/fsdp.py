@@ -11,16 +11,17 @@ from typing import Any
 from ...step.pieces import Progress
 from ..oom import is_oom
 from ..result import Failure, FitError
-from .ddp import Ddp
+from .ddp import Ddp, HasNext
 from .group import abort, is_transport, lost_ranks
 
 
 class Fsdp(Ddp):
-    def train(self, batch: Any, has_next: bool) -> bool | None:
+    def train(self, batch: Any, has_next: HasNext) -> bool | None:
         d, runner, state, recovery = self.group, self.runner, self.state, self.recovery
+        more = has_next()
         if batch is not None:
             self._count_share(batch)
-        agreed = self.exchange(here=batch is not None, has_next=has_next)
+        agreed = self.exchange(here=batch is not None, has_next=more)
         if agreed.fatal or not agreed.all_have_batch:
             raise recovery.job_error(self.agreement.failure, agreed)
         if not agreed.items:

@@ -40,9 +40,9 @@ class Single:
         if reason:
             raise FitError(reason)
 
-    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, bool]]:
-        """Each batch as its step comes (no read ahead), with "more" always (one process asks no one)."""
-        return zip(data, repeat(True))
+    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, None]]:
+        """Each batch as its step comes (no read ahead; one process asks no one whether there is more)."""
+        return zip(data, repeat(None))
 
     def set_epoch(self, epoch: int) -> None:
         pass
@@ -50,7 +50,7 @@ class Single:
     def end(self, epochs_done: int) -> None:
         pass
 
-    def train(self, batch: Any, has_next: bool) -> bool | None:
+    def train(self, batch: Any, has_next: object) -> bool | None:
         """Train on one global batch, retrying it after OOMs; None: stopped before it was trained."""
         self.generators.start()
         self.buffers.save()
