@@ -1,6 +1,6 @@
 """gputui: train PyTorch models in a terminal app that shows GPU memory live and fixes OOMs mid-run.
 
-`import gputui` is cheap: `fit` and `FitResult` load the engine (and torch) on first use, so the
+`import gputui` is cheap: `fit`, `Trainer` and the results load the engine (and torch) on first use, so the
 CLI and the attach client start without torch.
 """
 
@@ -10,7 +10,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["fit", "FitResult", "FitError", "save", "__version__"]
+__all__ = ["fit", "Trainer", "StepResult", "FitResult", "FitError", "save", "__version__"]
 
 # torch warns on import when NumPy is absent; gputui never needs NumPy, so the warning is noise.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .engine.fit import fit
     from .engine.result import FitError, FitResult
     from .engine.saving import save
+    from .engine.trainer import StepResult, Trainer
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from .engine.fit import fit
 
         return fit
+    if name in ("Trainer", "StepResult"):
+        from .engine import trainer
+
+        return getattr(trainer, name)
     if name == "save":
         from .engine.saving import save
 

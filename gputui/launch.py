@@ -176,6 +176,8 @@ def run_script(
         observing.close()
         if observer is not None:
             observer.finish(failure)
+        if observe is not None:
+            observe.finish(failure)  # the run fit or a Trainer started ends with the script
 
 
 def detach_from_terminal() -> None:

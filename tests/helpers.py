@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -217,14 +218,31 @@ def on_event(hub, name: str, action, timeout: float = 10.0) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def own_process():
+    """Another process's telemetry for the block: a fit in it (a warm-up, a second script) is not part of
+    the test's run, which every fit of one process continues (engine/continuity.py)."""
+    from gputui.telemetry import hub as hubs
+
+    outer = hubs.current()
+    hubs.install(hubs.Hub())
+    try:
+        yield
+    finally:
+        hubs.install(outer)
+
+
 class RequestAt(Sink):
-    """A hub sink that requests `action` once the loop has published step `n`."""
+    """A hub sink that requests `action` once the loop has published `n` steps since it was added (a fit
+    after others in the test's process counts on from theirs: its own n-th step)."""
 
     def __init__(self, hub, n, action, value=None):
         self.hub, self.n, self.action, self.value = hub, n, action, value
+        self.seen = 0
 
     def on_sample(self, sample):
-        if sample.step == self.n:
+        self.seen += 1
+        if self.seen == self.n:
             self.hub.controls.request(self.action, self.value)
 
 

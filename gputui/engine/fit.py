@@ -1,4 +1,4 @@
-"""fit(): epochs of global batches, each trained by the trainer's one step."""
+"""fit(): epochs of global batches, each trained by the core's one step (core.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .core import Core
 from .options import FitOptions, length
 from .result import FitError, FitResult
-from .trainer import Trainer
 
 
 def fit(
@@ -72,43 +72,48 @@ def fit(
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
-    trainer = Trainer(model, step, optimizer, options, data)
+    core = Core(model, step, optimizer, options, data)
     epochs = epochs if epochs is not None else (1 if max_steps is None else None)
     per_epoch = length(data)
-    with trainer.running(**_length(epochs, max_steps, per_epoch)):
-        _epochs(trainer, data, epochs, max_steps)
-    return trainer.result()
+    with core.running(**_length(epochs, max_steps, per_epoch, core.first_step)):
+        _epochs(core, data, epochs, max_steps)
+    return core.result()
 
 
-def _length(epochs: int | None, max_steps: int | None, per_epoch: int | None) -> dict[str, Any]:
-    """How long the run is, as far as the data says (the ETA and "step N/M" on the screen)."""
+def _length(epochs: int | None, max_steps: int | None, per_epoch: int | None, before: int) -> dict[str, Any]:
+    """How long the run is, as far as the data says (the ETA and "step N/M" on the screen); `before`: the
+    steps an earlier fit call or Trainer of this process trained (the screen's step numbers go on)."""
     total = per_epoch * epochs if per_epoch is not None and epochs is not None else None
     if max_steps is not None:
         total = max_steps if total is None else min(total, max_steps)
+    if total is not None:
+        total += before
     planned = epochs
     if epochs is None and per_epoch and max_steps is not None:
         planned = math.ceil(max_steps / per_epoch)
     return {"epochs": planned, "max_steps": max_steps, "steps_per_epoch": per_epoch, "total_steps": total}
 
 
-def _epochs(trainer: Trainer, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> None:
+def _epochs(core: Core, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> None:
     """Epochs of steps until the data, `max_steps` or a stop ends them; then the strategy's last word
     (under torchrun, a closing exchange: a failure after the last step reaches every rank)."""
-    state, strategy = trainer.state, trainer.strategy
+    state, strategy = core.state, core.strategy
+    if max_steps is not None:
+        max_steps += core.first_step  # the session counts the process's steps
     epoch = 0
     while epochs is None or epoch < epochs:
         state.epoch = epoch
         strategy.set_epoch(epoch)
         trained = 0
         for batch, has_next in strategy.batches(data, lambda: max_steps is not None and state.steps + 1 >= max_steps):
-            if not trainer.step(batch, has_next):
+            if not core.step(batch, has_next):
                 return strategy.end(state.epochs_done)
             trained += 1
             if max_steps is not None and state.steps >= max_steps:
                 if trained == length(data):
                     state.epochs_done += 1  # the last step was also the end of the epoch
                 return strategy.end(state.epochs_done)
-            if not trainer.more:
+            if not core.more:
                 break
         if trained == 0:
             if epoch == 0:

@@ -67,17 +67,23 @@ class Observer:
     # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
     def on_start(self, info: RunInfo) -> None:
         if not info.observed:
-            self.fitting = True
-            if self.session is not None:  # fit counts its own bytes: two trackers would count twice
-                self.session.close_tracker()
-            # Off the stack while fit runs: a Python call for each tensor autograd saves, though it
-            # returns at once, cost the tiny MLP's 1.5 ms step 75 us. fit runs in the script's
-            # thread, where they are the innermost unless the script pushed its own around fit.
-            if self._hooks is not None and _innermost_hooks() == self._hooks:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-                self._aside = threading.get_ident()
+            self._stand_aside()
+
+    def _stand_aside(self) -> None:
+        self.fitting = True
+        if self.session is not None:  # fit counts its own bytes: two trackers would count twice
+            self.session.close_tracker()
+        # Off the stack while fit runs: a Python call for each tensor autograd saves, though it
+        # returns at once, cost the tiny MLP's 1.5 ms step 75 us. fit runs in the script's
+        # thread, where they are the innermost unless the script pushed its own around fit.
+        if self._hooks is not None and _innermost_hooks() == self._hooks:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._aside = threading.get_ident()
 
     def on_end(self, summary: RunSummary) -> None:
+        self._step_back_in()
+
+    def _step_back_in(self) -> None:
         self.fitting = False
         if self._aside == threading.get_ident() and self._hooks is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks)
@@ -90,7 +96,12 @@ class Observer:
         pass  # given instead of on_sample's sample: fit's steps are not made into samples for nothing
 
     def on_event(self, event: Event) -> None:
-        pass
+        """A fit call or Trainer after the first continues the run (engine/continuity.py): the observer
+        stands aside while each trains and comes back when it returns."""
+        if event.name == "run_continued":
+            self._stand_aside()
+        elif event.name == "part_ended":
+            self._step_back_in()
 
     # -- installing: every patch is undone on exit ----------------------------------------------
     @contextlib.contextmanager

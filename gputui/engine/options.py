@@ -45,7 +45,7 @@ def length(data: Any) -> int | None:
         return None
 
 
-def _positive(name: str, value: Any) -> None:
+def positive(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
@@ -75,11 +75,11 @@ class FitOptions:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.items is not None and not callable(self.items):
             raise TypeError(f"items must be a function items(batch) -> count, got {type(self.items).__name__}")
         if self.micro_batch != "auto":
-            _positive("micro_batch", self.micro_batch)
+            positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):
             raise ValueError(f'distributed must be "auto", "fsdp" or "off", got {self.distributed!r}')
         if self.planning not in ("auto", "asked", "off"):

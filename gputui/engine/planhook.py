@@ -64,11 +64,31 @@ class PlanningHook:
         self.precision, self.checkpointing, self.session, self.state = precision, checkpointing, session, state
         self._auto_micro_batch = auto_micro_batch
         self._traceable = traceable  # a sharded step cannot be traced: no table made ahead there
+        self._learnt: dict[str, Any] | None = None  # what an earlier run learnt, for the planner when made
 
     def get(self) -> Planner:
         if self.planner is None:
             self.planner = self._make()
+            if self._learnt is not None:
+                self.planner.predictions.load_state_dict(self._learnt)
         return self.planner
+
+    def auto_off(self) -> None:
+        """micro_batch="auto" has its answer already (a setting carried over or loaded)."""
+        self._auto_micro_batch = False
+
+    def state_dict(self, cache: bool = False) -> dict[str, Any] | None:
+        """What the planner learnt (Predictions.state_dict), or what it was given and has yet to use."""
+        if self.planner is None:
+            learnt = self._learnt
+            return None if learnt is None else {k: v for k, v in learnt.items() if cache or k != "cache"}
+        return self.planner.predictions.state_dict(cache)
+
+    def load_state_dict(self, learnt: dict[str, Any] | None) -> None:
+        """Start from what an earlier run learnt: a resumed run, or the run before in this process."""
+        self._learnt = learnt
+        if learnt is not None and self.planner is not None:
+            self.planner.predictions.load_state_dict(learnt)
 
     def abandon(self, reason: str) -> None:
         """The run ended: a request still waiting for its table is refused with `reason`."""

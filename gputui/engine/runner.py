@@ -46,6 +46,7 @@ class Runner:
         self.probe = session.probe
         self.batch_norms = buffers.batch_norms
         self.losses = DeferredLoss.for_device(device)
+        self.loss: torch.Tensor | None = None  # the last step's, detached: read by whoever wants it (a sync)
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
 
@@ -149,6 +150,7 @@ class Runner:
         if self.scheduler is not None:
             self.scheduler.step()
         state = self.state
+        self.loss = loss_sum
         state.loss = self.losses.put(loss_sum)  # no wait for the device (engine/deferred.py)
         state.accumulation = pieces
         session = self.session

@@ -152,6 +152,12 @@ class RunSession:
     def end(self, summary: RunSummary) -> None:
         self.hub.end(summary)
 
+    def continued(self, *, refused: dict[str, str], **fields: Any) -> None:
+        """Announce a run that continues the process's (continuity.py): its length and setting."""
+        self.refused.update(refused)
+        self._t0 = time.monotonic()
+        self.emit("run_continued", refused=dict(self.refused), **fields)
+
     def elapsed(self) -> float:
         """Seconds since the run started (a monotonic clock: a clock step does not move it)."""
         return round(time.monotonic() - self._t0, 3)

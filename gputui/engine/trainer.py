@@ -1,278 +1,221 @@
-"""The trainer: one run's parts, wired. Each part owns its state and its one job:
+"""gputui.Trainer: the script keeps its loop (evaluation, logging, checkpoints, early stopping), gputui
+owns the step: the boundary (controls, pause, stop; the exchange under torchrun), micro-batching, AMP,
+checkpointing, OOM recovery with exact replay, telemetry. As Accelerate and Lightning Fabric keep
+the user's loop, with the remedies live.
 
-    RunState      the setting and counters every part reads (engine/state.py)
-    Runner        a piece's forward and backward, the optimizer step, the step's end (runner.py)
-    Boundary      the controls, the pause, the stop a control or a signal asks for (boundary.py)
-    Recovery      what follows an OOM; every OOM event and FitError (recovery.py)
-    PlanningHook  the planner, made when first needed (planhook.py)
-    a strategy    one process, DDP or FSDP: how a global batch is trained, its collectives (strategies/)
-
-`step(batch)` trains one global batch: the boundary, the planner's turn, the strategy, its record.
-fit() (engine/fit.py) is a loop over it inside `running()`.
+    with gputui.Trainer(model, optimizer, step, micro_batch=8, clip_grad_norm=1.0) as trainer:
+        for batch in data:
+            result = trainer.step(batch)
+            if result.stopped:  # q, Ctrl-C or SIGTERM: this step was trained, save and leave
+                break
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..step.checkpointing import Checkpointing
-from ..step.microbatch import batch_size
-from ..step.precision import Precision
-from ..step.sizing import Sizing
-from ..telemetry.controls import BATCH_NORM_FLOOR
-from ..telemetry.setup import MetricsSink, for_process
-from .boundary import Boundary
-from .oom import Buffers, Generators
-from .options import FitOptions, is_shared, resolve_device
-from .planhook import PlanningHook
-from .recovery import Recovery
+from .core import Core
+from .options import FitOptions, positive
 from .result import FitError, FitResult
-from .runner import Runner
-from .session import RunSession
-from .state import RunState
-from .strategies.single import Single
+
+STATE_VERSION = 1
+"""The layout of Trainer.state_dict(); a newer one is refused with a line, not misread."""
+
+
+class StepResult:
+    """What one trainer.step() did. `loss` and `grad_norm` are read from the device when asked for (a
+    sync on CUDA), not before: a loop that logs every 100 steps keeps the GPU's run-ahead.
+
+    `steps`: the run's steps so far (the screen's step number); `ooms_recovered`: OOMs this step
+    recovered from (its micro-batch then smaller); `stopped`: why the run stops after this step (q,
+    Ctrl-C, SIGTERM), else None; `trained`: False when a stop came before the step began (nothing
+    trained; `loss` is None)."""
+
+    __slots__ = ("_loss", "_grad_norm", "micro_batch", "ooms_recovered", "steps", "stopped", "trained")
+
+    def __init__(
+        self,
+        loss: torch.Tensor | None,
+        grad_norm: torch.Tensor | float | None,
+        micro_batch: int,
+        ooms_recovered: int,
+        steps: int,
+        stopped: str | None,
+        trained: bool,
+    ) -> None:
+        self._loss, self._grad_norm = loss, grad_norm
+        self.micro_batch, self.ooms_recovered, self.steps = micro_batch, ooms_recovered, steps
+        self.stopped, self.trained = stopped, trained
+
+    @property
+    def loss(self) -> float | None:
+        """The global batch's loss (its items' mean with `items=`)."""
+        return None if self._loss is None else float(self._loss)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The gradients' total norm before clipping (with `clip_grad_norm=`)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(steps={self.steps}, loss={self.loss}, grad_norm={self.grad_norm}, micro_batch="
+            f"{self.micro_batch}, ooms_recovered={self.ooms_recovered}, stopped={self.stopped!r})"
+        )
 
 
 class Trainer:
+    """One global step at a time, gputui's way; see the module's docstring and the README ("Your own loop").
+
+    The options are fit()'s that concern a step, checked the same way; `steps`: how many steps the run
+    is expected to take in all (the screen's "step N/M" and ETA; after a resume, the same total). Use it
+    as a context manager: the run closes at the end of the block (else call close()). A process's fit
+    calls and Trainers are one run on screen (engine/continuity.py).
+    """
+
     def __init__(
         self,
         model: nn.Module,
-        step: Callable[[nn.Module, Any], torch.Tensor],
         optimizer: torch.optim.Optimizer,
-        o: FitOptions,
-        data: Any = None,
+        step: Callable[[nn.Module, Any], torch.Tensor],
+        *,
+        steps: int | None = None,
+        scheduler: Any = None,
+        micro_batch: int | str | None = None,
+        amp: str = "off",
+        checkpointing: bool | None = None,
+        checkpoint_modules: Sequence[nn.Module] | None = None,
+        device: str | torch.device | None = None,
+        memory_budget: int | str | None = None,
+        gpu_memory_limit: int | str | None = None,
+        auto_recover: bool = True,
+        metrics: str | os.PathLike[str] | None = None,
+        memory_history: bool = False,
+        snapshot_dir: str | os.PathLike[str] = "gputui-snapshots",
+        distributed: str = "auto",
+        items: Callable[[Any], Any] | None = None,
+        planning: str = "auto",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(step):
-            raise TypeError("step must be a function step(model, batch) -> loss")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        hub = for_process(sys.stdout)  # the installed hub; under plain `python script.py`, one of its own
-        self.hub = hub
-        shared = is_shared(o.distributed, model)
-        if shared:
-            from .strategies.group import device_for
-
-            device = resolve_device(device_for(o.device))
-        else:
-            device = resolve_device(o.device)
-        self.device = device
-        precision = Precision(device, o.amp)
-        generators = Generators(device)
-        checkpointing = Checkpointing(model, o.checkpoint_modules)
-        reason = checkpointing.unavailable()
-        if o.checkpointing and reason:
-            raise ValueError(f"checkpointing=True, but {reason}")
-        model.to(device)
-        group = agreement = None
-        if shared:
-            from .strategies.exchange import Agreement
-            from .strategies.wrapper import Distributed
-
-            shard = o.distributed == "fsdp"
-            group = Distributed(model, device, data, shard=shard, blocks=checkpointing.blocks, optimizer=optimizer)
-            agreement = Agreement(group.rank, group.world_size, group.device)
-            model = group.model
-        self.model, self.group = model, group
-        model.train()  # before Buffers: a train() override may keep BatchNorm layers in eval mode
-        buffers = Buffers(model)
-        # BatchNorm normalizes over the micro-batch: one sample has no variance (and is an error)
-        sizing = Sizing(2 if buffers.batch_norms else 1)
-        if isinstance(o.micro_batch, int) and o.micro_batch < sizing.floor:
-            raise ValueError(
-                f"micro_batch={o.micro_batch}, but the model has BatchNorm layers and "
-                f"{BATCH_NORM_FLOOR}: use 2 or more, or GroupNorm/LayerNorm instead"
-            )
-        # Last, after every check that can fail: the script's own metrics file (unless the command
-        # line named one), and the tracker, which hooks the parameters until the run ends.
-        self._metrics = MetricsSink(hub, o.metrics if hub.overrides.metrics is None else None)
-        try:
-            session = RunSession(
-                hub,
-                device,
-                tracked=model,
-                optimizer=optimizer,
-                memory_budget=o.memory_budget,
-                gpu_memory_limit=o.gpu_memory_limit,
-                snapshot_dir=o.snapshot_dir,
-                memory_history=o.memory_history,
-                keep_events=True,
-            )
-        except BaseException:
-            self._metrics.close()
-            raise
-        if session.tracker is not None:
-            checkpointing.on_inputs = session.tracker.note_saved
-        if o.checkpointing is not None:
-            checkpointing.set(o.checkpointing)
-        self.session, self.precision, self.checkpointing, self.generators = (
-            session,
-            precision,
-            checkpointing,
-            generators,
+        positive("steps", steps)
+        options = FitOptions(
+            scheduler=scheduler,
+            micro_batch=micro_batch,
+            amp=amp,
+            checkpointing=checkpointing,
+            checkpoint_modules=checkpoint_modules,
+            device=device,
+            memory_budget=memory_budget,
+            gpu_memory_limit=gpu_memory_limit,
+            auto_recover=auto_recover,
+            metrics=metrics,
+            memory_history=memory_history,
+            snapshot_dir=snapshot_dir,
+            distributed=distributed,
+            items=items,
+            planning=planning,
         )
-        self.buffers, self.optimizer = buffers, optimizer
-        self.state = state = RunState(
-            session,
-            sizing,
-            # A cap: None means the whole global batch; "auto": the largest predicted to fit, at the first batch.
-            micro_batch=o.micro_batch if isinstance(o.micro_batch, int) else None,
-            auto_recover=o.auto_recover,
-            baseline=session.probe.allocated(),
-        )
-        self.planning = PlanningHook(
-            model,
-            optimizer,
-            step,
-            device,
-            precision,
-            checkpointing,
-            o.checkpoint_modules,
-            session,
-            state,
-            auto_micro_batch=o.micro_batch == "auto",
-            mode=o.planning,
-            traceable=group is None or not group.fsdp,
-        )
-        self.boundary = Boundary(hub, session, state, precision, checkpointing, self.planning, agreement)
-        self.recovery = Recovery(
-            optimizer, generators, buffers, session, state, self.boundary, self.planning, shared=group is not None
-        )
-        self.runner = Runner(
-            model, step, optimizer, o.scheduler, o.items, device, precision, checkpointing, buffers, session, state
-        )
-        parts = (self.runner, self.recovery, self.boundary, state, generators, buffers)
-        if group is None or agreement is None:
-            self.strategy: Any = Single(*parts)
-        else:
-            from .strategies.ddp import Ddp
-            from .strategies.fsdp import Fsdp
-
-            self.strategy = (Fsdp if group.fsdp else Ddp)(group, agreement, hub, *parts)
-        self._at_boundary, self._train = self.strategy.at_boundary, self.strategy.train  # bound once
-        self.more = True  # under torchrun: whether every rank has another batch, as the last step said
-        self._warned_loss = False
-
-    # -- one global batch -------------------------------------------------------------------
-    def step(self, batch: Any, has_next: Any = None) -> bool:
-        """Train one global batch (None: this rank's data ran out, the others' not yet): the boundary,
-        the planner's turn, the strategy, the step's record. False: stopped before it was trained.
-        `has_next`: under torchrun, what says whether this rank has another batch (strategies/ddp.py)."""
-        state = self.state
-        if batch is not None:
-            state.batch_size = batch_size(batch)
-        if not self._at_boundary(batch):
-            return False
-        if batch is not None:
-            self.planning.at_boundary(batch)
-        more = self._train(batch, has_next)
-        if more is None:
-            return False
-        self.more = more
-        self._publish()
-        return True
-
-    def _publish(self) -> None:
-        state = self.state
-        memory = self.session.publish(
-            epoch=state.epoch,
-            loss=state.loss,
-            batch_size=state.batch_size,
-            micro_batch=state.micro_batch_now(),
-            accumulation=state.accumulation,
-            amp=self.precision.mode,
-            checkpointing=self.checkpointing.enabled,
-            ranks=self.strategy.ranks,
-        )
-        state.memory = memory
-        state.baseline = memory.allocated or 0
-        if memory.alloc_retries is not None:  # a caching allocator's count (CUDA)
-            self.recovery.watch_thrashing(memory.alloc_retries)
-        self.planning.after_step(memory)
-        loss = state.loss
-        if loss is not None and not math.isfinite(loss) and not self._warned_loss:
-            self._warned_loss = True
-            self.session.emit("loss_not_finite", loss=str(loss))
+        self._core = Core(model, step, optimizer, options)
+        self._core.by = "Trainer"
+        self._steps = steps
+        self._run: contextlib.ExitStack | None = None
+        self._closed = False
+        self._stop_said: str | None = None  # a result said stopped: the loop should have left
 
     # -- the run ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def running(self, **length: Any) -> Iterator[None]:
-        """The run around the steps: its start record (`length`: epochs, steps), the signals, and
-        whatever ends it (the stop said, the error said and given the result, the model left as
-        it came, the end record)."""
-        with self._metrics:
-            self._start(length)
-            restore_signals = self.boundary.install_signals()
-            error: str | None = None
-            try:
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.session.tracker is not None:
-                    self.session.tracker.reset()
-                self.strategy.start()
-                yield
-                if self.state.stop_reason:
-                    self.session.emit("stopped", reason=self.state.stop_reason)
-            except FitError as exc:
-                error = str(exc)
-                exc.result = self.result()
-                raise
-            except BaseException as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                raise
-            finally:
-                if error is not None:
-                    self.session.emit("error", message=error)
-                self.planning.abandon("the run ended before the plan was complete")
-                restore_signals()
-                self.generators.close()
-                self.checkpointing.remove()
-                self.strategy.close()
-                self.session.close_tracker()
-                self.session.end(self.result().summary(error))
+    def __enter__(self) -> Trainer:
+        self._open()
+        return self
 
-    def _start(self, length: dict[str, Any]) -> None:
-        unavailable = self.checkpointing.unavailable()
-        refused = {"set_checkpointing": unavailable} if unavailable else {}
-        if self.planning.off:
-            refused["plan"] = 'planning="off": this run never traces its step'
-        group = self.group
-        self.session.start(
-            mode="fit",
-            model=group.model_name if group is not None else type(self.model).__name__,
-            refused=refused,
-            **length,
-            micro_batch=self.state.micro_batch,
-            batch_norm=self.buffers.batch_norms,
-            min_micro_batch=self.state.sizing.floor,
-            amp=self.precision.mode,
-            checkpointing=self.checkpointing.enabled,
-            checkpointing_how=self.checkpointing.how,
-            auto_recover=self.state.auto_recover,
-            **(group.identity() if group is not None else {}),
+    def __exit__(self, *exc: Any) -> None:
+        run, self._run = self._run, None
+        self._closed = True
+        if run is not None:
+            run.__exit__(*exc)  # an error that ends the block is the run's error too
+
+    def close(self) -> None:
+        """End this trainer's part of the run (the process's run ends with the script)."""
+        self.__exit__(None, None, None)
+
+    def _open(self) -> None:
+        if self._run is None:
+            run = contextlib.ExitStack()
+            run.enter_context(self._core.running(total_steps=self._steps))
+            self._run = run
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, batch: Any) -> StepResult:
+        """Train one global batch (a step of the run); see StepResult for what it returns."""
+        if self._closed:
+            raise FitError("trainer.step() after the trainer was closed: make a new gputui.Trainer to go on")
+        if self._stop_said is not None:
+            raise FitError(
+                f"trainer.step() after the run was asked to stop ({self._stop_said}): leave the loop when "
+                "the result's `stopped` is set (save first, if you save)"
+            )
+        if batch is None:
+            raise TypeError("trainer.step() needs a batch, got None")
+        self._open()
+        core = self._core
+        ooms = core.state.ooms_recovered
+        trained = core.step(batch)
+        stopped = core.stop_asked()
+        if stopped is not None:
+            self._stop_said = stopped
+        state = core.state
+        return StepResult(
+            core.runner.loss if trained else None,
+            getattr(state, "grad_norm", None) if trained else None,
+            state.micro_batch_now(),
+            state.ooms_recovered - ooms,
+            state.steps,
+            stopped,
+            trained,
         )
 
     def result(self) -> FitResult:
-        state, group = self.state, self.group
-        return FitResult(
-            rank=group.rank if group is not None else 0,
-            world_size=group.world_size if group is not None else 1,
-            steps=state.steps,
-            epochs=state.epochs_done,
-            samples=state.samples,
-            micro_batch=state.micro_batch_now() if state.batch_size else state.micro_batch,
-            loss=self.runner.losses.last(),
-            events=list(self.session.events or ()),
-            stopped=state.stop_reason,
-            amp=self.precision.mode,
-            checkpointing=self.checkpointing.enabled,
-            ooms_recovered=state.ooms_recovered,
-            elapsed_s=self.session.elapsed(),
-        )
+        """This trainer's figures so far, as fit() returns them (the last loss read from the device)."""
+        return self._core.result()
+
+    # -- resume -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as this one would: the setting in use (found by the keys or
+        after OOMs), the GradScaler, the step and sample counters, the planner's calibration. Plain data
+        and tensors: torch.save it beside the model and optimizer, torch.load(weights_only=True) loads it."""
+        core = self._core
+        state, session, scaler = core.state, core.session, core.precision.scaler
+        return {
+            "version": STATE_VERSION,
+            "steps": session.steps,
+            "samples": session.samples,
+            "micro_batch": state.micro_batch,
+            "amp": core.precision.mode,
+            "checkpointing": core.checkpointing.enabled,
+            "auto_recover": state.auto_recover,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "planner": core.planning.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Go on from a state_dict(): before the first step (ValueError after it, or for what is not one)."""
+        if not isinstance(saved, dict) or "steps" not in saved:
+            raise ValueError(f"load_state_dict() takes what Trainer.state_dict() returned, got {type(saved).__name__}")
+        if saved.get("version") != STATE_VERSION:
+            raise ValueError(f"this state_dict is version {saved.get('version')!r}; gputui reads {STATE_VERSION}")
+        core = self._core
+        if core.session.steps != core.first_step:
+            raise ValueError("load_state_dict() must come before the first trainer.step()")
+        core.apply_setting(saved["micro_batch"], saved["amp"], saved["checkpointing"])
+        core.state.auto_recover = bool(saved["auto_recover"])
+        scaler = core.precision.scaler
+        if scaler is not None and saved.get("scaler"):
+            scaler.load_state_dict(saved["scaler"])
+        session = core.session
+        session.steps, session.samples = int(saved["steps"]), int(saved["samples"])
+        core.first_step, core.first_samples = session.steps, session.samples
+        core.planning.load_state_dict(saved.get("planner"))

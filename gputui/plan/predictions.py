@@ -65,6 +65,33 @@ class Predictions:
         self._measured_setting: Setting | None = None
         self._entries = len(optimizer.state)  # the optimizer's state entries at the last measured step
 
+    def state_dict(self, cache: bool = False) -> dict[str, Any]:
+        """What this run learnt of its step, as plain data (a checkpoint loads it with weights_only): the
+        calibration, and with `cache` (another run in this process, on the same model) the predictions."""
+        m = self._measured_setting
+        state: dict[str, Any] = {
+            "correction": self.correction,
+            "measured": self.measured,
+            "breakdown": dict(self._breakdown) if self._breakdown is not None else None,
+            "measured_setting": [m.micro_batch, m.amp, m.checkpointing] if m is not None else None,
+            "untraceable": [[amp, ck, why] for (amp, ck), why in self._untraceable.items()],
+            "off": self.off,
+        }
+        if cache:
+            state["cache"] = dict(self._cache)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.correction = int(state.get("correction") or 0)
+        self.measured = state.get("measured")
+        breakdown = state.get("breakdown")
+        self._breakdown = dict(breakdown) if breakdown is not None else None
+        m = state.get("measured_setting")
+        self._measured_setting = Setting(int(m[0]), str(m[1]), bool(m[2])) if m is not None else None
+        self._untraceable.update({(str(amp), bool(ck)): str(why) for amp, ck, why in state.get("untraceable") or ()})
+        self.off = self.off or state.get("off")
+        self._cache.update(state.get("cache") or {})
+
     def get(self, setting: Setting, batch: Any, shapes: Hashable) -> Prediction | None:
         """The cached or new prediction for `setting` on a batch of `shapes`; None when the step cannot
         be traced and no step has been measured yet to estimate from."""

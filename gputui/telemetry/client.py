@@ -289,6 +289,9 @@ class Mirror:
                 if record.get("summary"):
                     hub.end(RunSummary.from_json(record["summary"]))
                 hub.runs = int(record.get("runs") or 0)
+                hub.idle_since = record.get("idle_since")
+            elif kind == "idle":
+                hub.idle_since = record.get("since")
             elif kind == "history":
                 for name, series in (record.get("series") or {}).items():
                     history[name] = (list(series["steps"]), list(series["values"]), int(series["stride"]))

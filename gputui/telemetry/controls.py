@@ -105,6 +105,13 @@ class Controls:
             self._queue.clear()
         return items
 
+    def has(self, action: str) -> bool:
+        """Whether a request for `action` is queued (not taken)."""
+        if not self._queue:
+            return False
+        with self._ready:
+            return any(control.action == action for control in self._queue)
+
     def wait(self, timeout: float) -> bool:
         """Block until a request is queued or the timeout passes; True if one is waiting."""
         with self._ready:

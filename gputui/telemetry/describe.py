@@ -154,6 +154,12 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",
     "plan": _plan,
     "error": lambda e: f"error: {e['message']}",
+    "run_continued": lambda e: (
+        "training goes on"
+        + (f" ({e['total_steps']} steps in all)" if e.get("total_steps") else "")
+        + (f", micro-batch {e['micro_batch']}" if e.get("micro_batch") else "")
+    ),
+    "part_ended": lambda e: f"{e['by']} returned after {e['steps']} steps ({e['samples']} samples)",
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
     "signalled": lambda e: f"{e['reason']}: finishing the current step, then the script",
     "script_ended": lambda e: f"the script ended (exit code {e['code']})",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from .controls import Controls
 from .output import OutputLog
 from .run import RunInfo, RunSummary
 from .sample import Event, GpuReading, StepRecord, StepSample
+
+IDLE_S = 1.0
+"""Seconds outside a step after which the run is "between steps" (a step's own gap is far shorter)."""
 
 
 class Sink(Protocol):
@@ -77,12 +81,16 @@ class Hub:
         self.info: RunInfo | None = None
         self.summary: RunSummary | None = None
         self._closers: list[Callable[[], None]] = []
+        self._finishers: list[Callable[[str | None], None]] = []
         self.runs = 0
         self.ended: list[tuple[RunInfo, RunSummary]] = []  # every run's start and end records, in order
         self.saved: dict[str, int] = {}  # path -> bytes: what gputui.save wrote, for the closing summary
         # "terminated"/"interrupted": a signal asked the run to stop while the script trains in
         # another thread than the handler's (the TUI's). A plain write: a handler takes no lock.
         self.stop_signal: str | None = None
+        # When the script left its last step (wall clock), while it works outside one (evaluates,
+        # saves, runs between two fit calls); None while a step trains. Two writes a step, no lock.
+        self.idle_since: float | None = None
 
     def add_sink(self, sink: Sink) -> None:
         with self._lock:
@@ -141,10 +149,27 @@ class Hub:
         """gputui.save wrote `size` bytes to `path` (the last save of a path counts)."""
         self.saved[path] = size
 
+    def idle(self) -> float | None:
+        """Since when the script has worked outside a step, once that is IDLE_S or longer; else None."""
+        since = self.idle_since
+        return since if since is not None and time.time() - since >= IDLE_S else None
+
     def publish_gpus(self, reading: GpuReading) -> None:
         """The newest reading of every GPU: readers take the latest (one attribute write, no lock),
         a second of them per reading, not one per step."""
         self.gpus = reading
+
+    def on_finish(self, finisher: Callable[[str | None], None]) -> None:
+        """Call `finisher(failure)` once when the script is done with the hub (the run's end record goes out
+        then: a process's fit calls and Trainers are one run, which ends with the script)."""
+        self._finishers.append(finisher)
+
+    def finish(self, failure: str | None = None) -> None:
+        """The script is done (`failure`: why it failed, if it did): its run ends, each finisher once.
+        Called where the script ends, and before the telemetry closes, so every sink and client gets
+        the end record."""
+        while self._finishers:
+            self._finishers.pop()(failure)
 
     def on_close(self, closer: Callable[[], None]) -> None:
         """Call `closer` when the telemetry closes (a poller thread to stop)."""

@@ -58,6 +58,7 @@ class ProgressLine:
         self._last_draw = 0.0
         self._pending: StepRecord | None = None  # the newest step not drawn yet
         self._drawn = False  # a line without a newline is on the terminal
+        self._first = True  # the next step is a part's first (a fit call's, a Trainer's): drawn at once
         self.quiet = False
 
     def _write(self, text: str) -> None:
@@ -115,7 +116,8 @@ class ProgressLine:
         only then), else kept for the end."""
         if self.quiet:
             return
-        if record.step == 1 or time.monotonic() - self._last_draw >= self.interval:
+        if self._first or time.monotonic() - self._last_draw >= self.interval:
+            self._first = False
             self._draw(record.sample())
         else:
             self._pending = record
@@ -125,16 +127,24 @@ class ProgressLine:
             return
         if event.name == "plan" and not event.get("complete", True):  # its rows still coming: the whole table once
             return
+        if event.name == "part_ended":  # the script works on outside a step: its last step stays on screen
+            self._last_line()
+            self._first = True
+            return
         self._clear()
         self._write(f"gputui: step {event.step} | {describe(event)}\n")
 
-    def on_end(self, summary: RunSummary) -> None:
-        if self.quiet:
-            return
+    def _last_line(self) -> None:
+        """The last step drawn (if the interval held it back), its line ended."""
         if self._pending is not None:
             self._draw(self._pending.sample())
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")
         self._drawn = False
+
+    def on_end(self, summary: RunSummary) -> None:
+        if self.quiet:
+            return
+        self._last_line()
         self._write(summary_line(summary) + "\n")
 
 

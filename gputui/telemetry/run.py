@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 NUMBER = (int, float)
@@ -79,6 +79,14 @@ class RunInfo:
     def observed(self) -> bool:
         return self.mode == "observe"
 
+    def continued(self, details: Mapping[str, Any]) -> RunInfo:
+        """The info of a run another fit call or Trainer continues (a `run_continued` event's details)."""
+        fields = {k: details[k] for k in CONTINUED if k in details}
+        if "refused" in fields:
+            fields["refused"] = dict(fields["refused"] or {})
+        checked = _checked(RunInfo, {k: v for k, v in fields.items() if v is not None}, _INFO_TYPES)
+        return replace(self, **{**{k: None for k, v in fields.items() if v is None}, **checked})
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["argv"], out["refused"] = list(self.argv), dict(self.refused)
@@ -129,6 +137,13 @@ _INFO_TYPES: dict[str, Any] = {
     "memory_budget": int,
     "refused": dict,
 }
+
+
+CONTINUED = (
+    *("model", "epochs", "max_steps", "steps_per_epoch", "total_steps"),
+    *("micro_batch", "amp", "checkpointing", "auto_recover", "refused"),
+)
+"""The info a run continued in the same process may change (engine/continuity.py)."""
 
 
 @dataclass(frozen=True)

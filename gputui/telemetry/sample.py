@@ -355,6 +355,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "memory_summary": ("text",),
     "plan": ("trigger", "options", "capacity", "correction", "tracked", "complete"),
     "error": ("message",),
+    "run_continued": ("refused",),
+    "part_ended": ("by", "steps", "samples"),
     "sink_failed": ("message",),
     # Not the engine's: `gputui run` tells its screen (tui/local.py), and no one else.
     "signalled": ("reason",),

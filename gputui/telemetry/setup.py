@@ -16,7 +16,7 @@ from typing import TextIO
 from . import hub as hubs
 from .jsonl import MetricsFile
 from .progress import ProgressLine
-from .run import launched_rank
+from .run import RunSummary, launched_rank
 from .server import serve
 
 
@@ -38,6 +38,7 @@ def opened(
     try:
         yield hub
     finally:
+        hub.finish()
         if server is not None:
             server.close()
         hubs.install(None)
@@ -70,6 +71,13 @@ class MetricsSink:
     def __enter__(self) -> None:
         if self.file is not None:
             self.hub.add_sink(self.file)
+            if self.hub.info is not None and self.hub.summary is None:  # a run going on: this file's first line
+                self.file.on_start(self.hub.info)
+
+    def end(self, summary: RunSummary) -> None:
+        """This run's part ended: the file's last line (the process's run goes on; continuity.py)."""
+        if self.file is not None:
+            self.file.on_end(summary)
 
     def __exit__(self, *exc: object) -> None:
         if self.file is not None:

@@ -26,6 +26,7 @@ class Update:
     banner: str | None = None  # the connection's state, when it is not simply live
     output: Sequence[str] = ()  # the script's new output lines
     current: str | None = None  # the line it is writing now, when that changed
+    idle_since: float | None = None  # outside a step since then (hub.idle_since)
 
 
 class Source(Protocol):
@@ -54,7 +55,17 @@ class LocalSource:
         samples, events, self._cursor = self.hub.since(self._cursor)
         hub = self.hub
         lines, current = self._output()
-        return Update(samples, events, hub.info, hub.summary, hub.gpus, hub.runs, output=lines, current=current)
+        return Update(
+            samples,
+            events,
+            hub.info,
+            hub.summary,
+            hub.gpus,
+            hub.runs,
+            output=lines,
+            current=current,
+            idle_since=hub.idle_since,
+        )
 
     def _output(self) -> tuple[list[str], str | None]:
         """The hub's output lines since the last poll, and its current line if it changed."""

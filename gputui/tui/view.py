@@ -17,6 +17,7 @@ from typing import Any
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
 from ..telemetry.describe import describe, plan_rows
 from ..telemetry.history import RunSeries
+from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
 from .keys import BY_ACTION, BY_KEY
@@ -50,6 +51,7 @@ class Entry:
 @dataclass
 class RunView:
     clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time  # what the job's idle_since is measured on
     script: str = ""
     info: RunInfo | None = None
     summary: RunSummary | None = None
@@ -73,6 +75,7 @@ class RunView:
     exit_code: int | None = None
     failure: str | None = None  # the script's traceback, or why it could not start
     ooms: int = 0
+    idle_since: float | None = None  # the script works outside a step since then (wall clock)
     banner: str | None = None  # attach: disconnected, reconnecting, the job ended...
     remote: bool = False  # attached to a job in another process
     # Counters that only grow: a panel compares them with what it last drew to skip a re-render.
@@ -107,6 +110,9 @@ class RunView:
             changed = True  # the run ended: the header's status, the charts drawn whole
         if update.gpus is not self.gpus:
             self.gpus = update.gpus
+            changed = True
+        if update.idle_since != self.idle_since:
+            self.idle_since = update.idle_since
             changed = True
         return changed or bool(update.samples or update.events or update.summary is not self.summary)
 
@@ -149,6 +155,9 @@ class RunView:
             self.plans += 1
         elif e.name == "signalled":
             self.signalled = str(e["reason"])
+        elif e.name == "run_continued" and self.info is not None:
+            self.info = self.info.continued(e.details)
+            self.auto_recover = self.info.auto_recover
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
         text = describe(e)
@@ -285,7 +294,14 @@ class RunView:
             return "OOM: waiting"
         if self.stopping:
             return "stopping"
-        return "paused" if self.paused else "training"
+        if self.paused:
+            return "paused"
+        return "between steps" if self.between_steps else "training"
+
+    @property
+    def between_steps(self) -> bool:
+        """The script works outside a step (evaluates, saves, runs between two fit calls) for a while."""
+        return self.idle_since is not None and self.wall() - self.idle_since >= IDLE_S
 
     @property
     def elapsed(self) -> float:

@@ -42,6 +42,8 @@ EXAMPLES = {
         ],
     },
     "error": {"message": "out of memory inside optimizer.step()"},
+    "run_continued": {"refused": {}, "total_steps": 200, "micro_batch": 4},
+    "part_ended": {"by": "fit", "steps": 100, "samples": 3200},
     "sink_failed": {"message": "metrics file m.jsonl: No space left on device; no more lines will be written"},
     "signalled": {"reason": "terminated"},
     "script_ended": {"code": 3, "report": ["Traceback (most recent call last):", "ValueError: boom"]},

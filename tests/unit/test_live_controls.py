@@ -4,9 +4,10 @@ import random
 import threading
 
 import torch
-from helpers import ConvNet, RequestAt, conv_batches, conv_step, on_event
+from helpers import ConvNet, RequestAt, conv_batches, conv_step, on_event, own_process
 
 import gputui
+from gputui.telemetry import hub as hubs
 
 
 class Recorder:
@@ -135,8 +136,9 @@ def test_refused_controls_say_why(hub):
         "not paused",
         "auto-recover is already on",
     ]
-    hub.controls.request("halve_batch")
-    result = gputui.fit(model, conv_batches(1, 1), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
+    with own_process():  # in this one the stop above holds: every later fit would return at once
+        hubs.current().controls.request("halve_batch")
+        result = gputui.fit(model, conv_batches(1, 1), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     assert result.events[0]["reason"] == "the micro-batch is already 1"
 
 

@@ -86,6 +86,7 @@ def run_with_progress(stream, hub):
     model = ConvNet()
     hub.controls.request("halve_batch")
     gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
+    hub.finish()  # the script ends: the run's summary line
 
 
 def test_progress_plain_lines_when_not_a_terminal(hub):

@@ -96,7 +96,7 @@ def test_floor_at_micro_batch_one_ends_the_run_with_a_clear_error(hub):
         gputui.fit(model, conv_batches(3, 8), FailOn(range(1, 100)), sgd(model))
     assert info.value.result.steps == 0
     names = [e.name for e in hub.events()]
-    assert names == ["oom_recovered"] * 3 + ["oom", "error"]  # 8 -> 4 -> 2 -> 1, then the floor
+    assert names == ["oom_recovered"] * 3 + ["oom", "error", "part_ended"]  # 8 -> 4 -> 2 -> 1, then the floor
 
 
 def test_oom_in_optimizer_step_stops_cleanly():

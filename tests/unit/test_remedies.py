@@ -253,6 +253,7 @@ def test_fit_starts_as_the_model_is_unless_told_and_leaves_it_as_the_script_set_
         model, lm_batches(), lm_step, torch.optim.SGD(model.parameters(), lr=0.1), checkpointing=argument
     )
     handle.remove()
+    hub.finish()  # the script ends: the run's end record
     on = script if argument is None else argument
     assert result.checkpointing == seen.summary.checkpointing == seen.info.checkpointing == on
     assert seen.info.checkpointing_how == "hugging face" and seen.samples == [on] * 4

@@ -146,9 +146,9 @@ class TelemetryServer:
             if mask & selectors.EVENT_WRITE and peer in self._peers:
                 self._peers.flush(peer)
         self._broadcast_queue()
-        gpus = self._so_far.gpus_record()
-        if gpus is not None:
-            self._peers.send(encode(gpus))
+        for record in (self._so_far.gpus_record(), self._so_far.idle_record()):
+            if record is not None:
+                self._peers.send(encode(record))
         if self._peers:  # else a client that connects gets the recent lines in its welcome
             self._broadcast_output()
         self._peers.flush_all()

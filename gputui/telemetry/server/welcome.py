@@ -18,7 +18,8 @@ from typing import Any
 from ..history import RunSeries
 from ..hub import Hub
 from ..protocol import clean, encode
-from ..sample import StepRecord
+from ..run import RunInfo
+from ..sample import Event, StepRecord
 from .printed import Printed
 
 RECENT_EVENTS = 200
@@ -41,6 +42,7 @@ class RunSoFar:
         self.gpus: dict[str, Any] | None = None
         self._gpus_at = 0.0
         self._unfolded: list[StepRecord] = []  # steps not in the series yet: folded for a welcome
+        self.idle_since: float | None = None  # as last sent: outside a step since then (Hub.idle)
         self._changes = 0
         self._welcome: tuple[tuple[int, int], bytes] | None = None
 
@@ -64,9 +66,20 @@ class RunSoFar:
         if kind == "event":
             record = clean(item.to_json())
             self.events.append(record)
+            if item.name == "run_continued" and self.info is not None:
+                self.info = item_info(self.info, item)
             return record
         self.summary = item.to_json()
         return clean({"kind": "end", "summary": self.summary})
+
+    def idle_record(self) -> dict[str, Any] | None:
+        """The run's idle time if it changed since the last said (looked at each turn: two reads)."""
+        idle = self.hub.idle()
+        if idle == self.idle_since:
+            return None
+        self._changes += 1
+        self.idle_since = idle
+        return {"kind": "idle", "since": idle}
 
     def gpus_record(self) -> dict[str, Any] | None:
         """The hub's GPU reading if it is new (looked at once a second), as sent."""
@@ -94,6 +107,7 @@ class RunSoFar:
             "runs": self.hub.runs,
             "info": self.info,
             "summary": self.summary,
+            "idle_since": self.idle_since,
             "controllable": True,
         }
         self._fold()
@@ -117,3 +131,8 @@ class RunSoFar:
         for item in self._unfolded:
             add(*item.charted())
         self._unfolded.clear()
+
+
+def item_info(info: dict[str, Any], event: Event) -> dict[str, Any]:
+    """The run's info as a `run_continued` event changes it."""
+    return clean(RunInfo.from_json(info).continued(event.details).to_json())
