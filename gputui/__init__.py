@@ -1,7 +1,7 @@
 """gputui: train PyTorch models in a terminal app that shows GPU memory live and fixes OOMs mid-run.
 
-`import gputui` is cheap: `fit`, `Trainer` and the results load the engine (and torch) on first use, so the
-CLI and the attach client start without torch.
+`import gputui` is cheap: `fit`, `Trainer`, `evaluate` and the results load the engine (and torch) on
+first use, so the CLI and the attach client start without torch.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["fit", "Trainer", "StepResult", "FitResult", "FitError", "save", "__version__"]
+__all__ = ["fit", "Trainer", "StepResult", "evaluate", "FitResult", "FitError", "save", "__version__"]
 
 # torch warns on import when NumPy is absent; gputui never needs NumPy, so the warning is noise.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 if TYPE_CHECKING:
+    from .engine.evaluate import evaluate
     from .engine.fit import fit
     from .engine.result import FitError, FitResult
     from .engine.saving import save
@@ -31,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from .engine import trainer
 
         return getattr(trainer, name)
+    if name == "evaluate":
+        from .engine.evaluate import evaluate
+
+        return evaluate
     if name == "save":
         from .engine.saving import save
 

@@ -24,6 +24,20 @@ from .session import RunSession
 from .state import RunState
 
 
+def count(items: Callable[[Any], Any], batch: Any) -> int:
+    """items(batch) as a count: an int, or a tensor of one integral value (read on the host batch).
+    Training weighs its pieces with it, evaluate() too."""
+    n = items(batch)
+    try:
+        value = float(n)  # an int, a NumPy integer, a one-element tensor
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if isinstance(n, bool) or not (value >= 0 and value.is_integer()):
+        shown = f"a tensor of shape {tuple(n.shape)}" if isinstance(n, torch.Tensor) else repr(n)[:80]
+        raise FitError(f"items(batch) must return a count (an int >= 0, or a one-element tensor), got {shown}")
+    return int(value)
+
+
 class Runner:
     def __init__(
         self,
@@ -77,17 +91,8 @@ class Runner:
         return counts, sum(counts)
 
     def count(self, batch: Any) -> int:
-        """items(batch) as a count: an int, or a tensor of one integral value (read on the host batch)."""
         assert self.items is not None
-        n = self.items(batch)
-        try:
-            value = float(n)  # an int, a NumPy integer, a one-element tensor
-        except (TypeError, ValueError, RuntimeError):
-            value = math.nan
-        if isinstance(n, bool) or not (value >= 0 and value.is_integer()):
-            shown = f"a tensor of shape {tuple(n.shape)}" if isinstance(n, torch.Tensor) else repr(n)[:80]
-            raise FitError(f"items(batch) must return a count (an int >= 0, or a one-element tensor), got {shown}")
-        return int(value)
+        return count(self.items, batch)
 
     def units(self, batch: Any) -> int:
         """The whole batch's items (its samples without `items`)."""

@@ -108,6 +108,14 @@ def plan_lines(e: Event) -> list[str]:
     return lines
 
 
+def _eval(e: Event) -> str:
+    value, items, ooms = number(e["value"]), number(e["items"]), number(e["ooms"])
+    over = f"{items:.0f} items" if items is not None else f"{e['samples']} samples"
+    replayed = f", {ooms:.0f} OOM{'s' if ooms != 1 else ''} replayed, micro-batch {e['micro_batch']}" if ooms else ""
+    head = f"eval {value:.4g}" if value is not None else "eval not finite"
+    return f"{head} over {e['batches']} batches ({over}, {e['seconds']:.1f} s{replayed})"
+
+
 _TEXT: dict[str, Callable[[Event], str]] = {
     "rank_oom_recovered": lambda e: (
         f"rank {e['rank']} recovered from an OOM ({e['ooms']} so far); it runs micro-batch {e['micro_batch']}"
@@ -161,6 +169,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     ),
     "part_ended": lambda e: f"{e['by']} returned after {e['steps']} steps ({e['samples']} samples)",
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
+    "eval": _eval,
     "signalled": lambda e: f"{e['reason']}: finishing the current step, then the script",
     "script_ended": lambda e: f"the script ended (exit code {e['code']})",
 }

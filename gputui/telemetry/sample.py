@@ -358,6 +358,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "run_continued": ("refused",),
     "part_ended": ("by", "steps", "samples"),
     "sink_failed": ("message",),
+    # gputui.evaluate()'s result (between steps, at the step last published); value null if not finite.
+    "eval": ("value", "batches", "samples", "items", "seconds", "micro_batch", "ooms"),
     # Not the engine's: `gputui run` tells its screen (tui/local.py), and no one else.
     "signalled": ("reason",),
     "script_ended": ("code",),

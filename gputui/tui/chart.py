@@ -38,6 +38,7 @@ class Series:
     values: Sequence[float]
     style: str
     peaks: bool = False  # squeeze by max (memory: a peak must show) instead of by mean (loss)
+    gaps: bool = False  # NaN is no point (a line over some of the x positions: evaluations); False costs no test
 
 
 def axis_number(v: float, width: int = 7) -> str:
@@ -70,8 +71,8 @@ class _Line:
     """One series as dot columns: the points squeezed (by max or mean) into columns that stay where
     they are until the points pass the right edge (`capacity` points fill `dots` columns)."""
 
-    def __init__(self, peaks: bool) -> None:
-        self.peaks = peaks
+    def __init__(self, peaks: bool, gaps: bool) -> None:
+        self.peaks, self.gaps = peaks, gaps
         self.reader = Reader()
         self.dots = self.capacity = 0
         self.xs: list[int] = []  # the dot column of each column that has points, left to right
@@ -90,18 +91,25 @@ class _Line:
         elif start == n:
             return dots
         new = values[start:]
+        if self.gaps:
+            new = [v for v in new if not math.isnan(v)]
         if new:
             self.low, self.high = min(self.low, min(new)), max(self.high, max(new))
         first = self.column(start)
         keep = bisect_left(self.xs, first)  # the columns the new points fall in are made anew
         del self.xs[keep:], self.values[keep:], self.placed[keep:]
         if self.capacity <= dots:  # a column a point
-            self.xs.extend(self.column(i) for i in range(start, n))
+            points = range(start, n) if not self.gaps else [i for i in range(start, n) if not math.isnan(values[i])]
+            self.xs.extend(self.column(i) for i in points)
             self.values.extend(new)
         else:  # each column the max or mean of its slice, as C loops over it
             capacity = self.capacity
             for x in range(first, self.column(n - 1) + 1):
                 part = values[x * capacity // dots : min(n, (x + 1) * capacity // dots)]
+                if self.gaps:
+                    part = [v for v in part if not math.isnan(v)]
+                    if not part:
+                        continue
                 self.xs.append(x)
                 self.values.append(max(part) if self.peaks else sum(part) / len(part))
         return None if moved else first
@@ -124,7 +132,7 @@ class Chart:
         self.gutter = gutter
         self.label = label or partial(axis_number, width=gutter - 1)
         self._lines: list[_Line] = []
-        self._kinds: list[tuple[bool, str]] = []  # each series' (peaks, style): other series, other lines
+        self._kinds: list[tuple[bool, bool, str]] = []  # each series' (peaks, gaps, style): others, other lines
         self._styles: list[Style] = []
         self._width = 0
         self._scale: tuple[int, float, float] | None = None  # height, low, high as last drawn; None: none
@@ -136,10 +144,10 @@ class Chart:
     def read(self, series: Sequence[Series], width: int) -> None:
         """Fold the series' new points in (all of them, the first time or after the list changed)."""
         plot_width = max(1, width - self.gutter)
-        kinds = [(s.peaks, s.style) for s in series]
+        kinds = [(s.peaks, s.gaps, s.style) for s in series]
         if width != self._width or kinds != self._kinds:
             self._width, self._kinds, self._scale = width, kinds, None
-            self._lines = [_Line(s.peaks) for s in series]
+            self._lines = [_Line(s.peaks, s.gaps) for s in series]
             self._styles = [DIM + Style.parse(s.style) for s in series]
         for line, s in zip(self._lines, series, strict=True):
             x = line.read(s.values, plot_width * 2)

@@ -7,6 +7,7 @@ plain samples and events (tests/tui/test_view.py).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
-from ..telemetry.describe import describe, plan_rows
+from ..telemetry.describe import describe, number, plan_rows
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
@@ -69,6 +70,7 @@ class RunView:
     waiting_oom: Event | None = None
     top: Event | None = None
     plan: Event | None = None  # the latest "plan" event: the what-if table (remedies bar, planner screen)
+    evals: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))  # (step, value; NaN)
     cuda_summary: str | None = None
     started: float | None = None
     ended: float | None = None
@@ -83,6 +85,7 @@ class RunView:
     samples_seen: int = 0
     entries: int = 0  # timeline lines ever added or folded into
     plans: int = 0  # plan events seen
+    evals_seen: int = 0  # eval events seen
     _filling: Entry | None = None  # the timeline's line of a plan still coming in (the next event replaces it)
 
     # -- folding updates ------------------------------------------------------------------------
@@ -122,6 +125,7 @@ class RunView:
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = self.plan = None
         self.ooms = 0
         self.series.clear()
+        self.evals.clear()
         self.pending.clear()
         self.paused = self.stopping = False
         self.started, self.ended = self.clock(), None
@@ -153,6 +157,10 @@ class RunView:
         elif e.name == "plan":
             self.plan = e
             self.plans += 1
+        elif e.name == "eval":  # the loss chart's eval line; a value not finite (null) is a gap in it
+            value = number(e.get("value"))
+            self.evals.append((e.step, math.nan if value is None else float(value)))
+            self.evals_seen += 1
         elif e.name == "signalled":
             self.signalled = str(e["reason"])
         elif e.name == "run_continued" and self.info is not None:

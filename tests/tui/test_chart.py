@@ -141,6 +141,15 @@ def test_new_points_fill_the_room_left_then_squeeze_the_series_again():
     assert chart.extent == 50 and capacities(chart) == [math.ceil(101 * GROWTH)]
 
 
+@pytest.mark.parametrize("n", [40, 400])  # a column a point; squeezed
+def test_a_series_with_gaps_has_no_dot_where_it_is_nan(n):
+    """The eval line: over the loss points' x positions, none before the first evaluation."""
+    line = [math.nan] * (n // 2) + [float(i % 3) for i in range(n - n // 2)]
+    rows = drawn(Chart(), [Series([float(i) for i in range(n)], "dim"), Series(line, "red", gaps=True)], 58, 4)
+    red = {x for row in rows for x, (char, style) in enumerate(cells(row)[8:]) if style.color and char.strip()}
+    assert min(red) in (24, 25) and max(red) == 49  # the second half of the 50 cells, whole
+
+
 def test_a_frame_with_nothing_new_draws_nothing_and_a_point_redraws_its_rows_only():
     values = [math.sin(i / 5) for i in range(40)]
     chart = Chart()

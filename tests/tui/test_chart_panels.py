@@ -7,6 +7,7 @@ from dataclasses import replace
 from fakes import GPUS, FrozenClock, cuda_run, cuda_sample, on_refresh
 from rich.console import Console
 
+from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
 from gputui.tui.panels.base import LinePanel
 from gputui.tui.sources import Update
@@ -92,3 +93,45 @@ async def test_a_run_that_ended_is_drawn_over_the_whole_width():
         app.pull()
         await pilot.pause()
         assert {panel.id: panel.chart.extent for panel in app.main.query(ChartPanel)} == full
+
+
+def eval_event(step: int, value: float | None) -> Event:
+    details = {"value": value, "batches": 8, "samples": 512, "items": None, "seconds": 1.5, "micro_batch": 32}
+    return Event("eval", step, {**details, "ooms": 0})
+
+
+def eval_columns(chart) -> list[int]:
+    """The plot's columns with a dot of the eval line (magenta)."""
+    columns = set()
+    for row in chart.rows:
+        x = -chart.gutter
+        for text, style in row:
+            if style.color is not None and style.color.name == "magenta":
+                columns.update(x + i for i, c in enumerate(text) if c.strip(" \u2800"))
+            x += len(text)
+    return sorted(columns)
+
+
+async def test_an_evaluation_is_the_eval_line_on_the_loss_chart_from_its_step():
+    from gputui.tui.panels.loss import LossPanel
+
+    source = cuda_run()
+    app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        loss = app.main.query_one("#loss", LossPanel)
+        assert not eval_columns(loss.chart) and "eval" not in loss.heading.plain
+        source.push(events=[eval_event(150, 2.9), eval_event(300, 2.5)])
+        app.pull()
+        await pilot.pause()
+        plot = loss.content_size.width - loss.chart.gutter
+        columns = eval_columns(loss.chart)
+        title = loss.heading.plain
+        source.push([cuda_sample(301)], [eval_event(301, None)])  # a value not finite: said, not drawn
+        app.pull()
+        await pilot.pause()
+        after = loss.heading.plain
+
+    assert "━ raw ━ smoothed ━ eval 2.5" in title  # the last evaluation, in its colour in the legend
+    assert columns and abs(columns[0] - plot / 2) <= 2 and columns[-1] == plot - 1  # from step 150 on
+    assert after.endswith("━ eval nan")

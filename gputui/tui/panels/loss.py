@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from rich.text import Text
 
@@ -11,7 +13,7 @@ from ..chart import Chart, Reader, Row, Series
 from ..view import RunView
 from .base import ChartPanel, axis, flow, legend
 
-RAW, SMOOTHED = "dim", "bold green"  # the loss chart's lines
+RAW, SMOOTHED, EVAL = "dim", "bold green", "bold magenta"  # the loss chart's lines
 
 
 class LossTrend:
@@ -54,16 +56,50 @@ class LossTrend:
         return self.raw[self._later[0]] if len(self.raw) >= 20 else None
 
 
+class EvalLine:
+    """The eval line on the loss chart: at each loss point, the latest evaluation at or before its
+    step (NaN, no point, before the first), so it lies on the loss points' x positions. Extended with
+    each new loss point; made anew when an evaluation comes (rare: a new list, which the chart reads
+    whole) or the loss list is replaced (a halving, a new run)."""
+
+    def __init__(self) -> None:
+        self.reader = Reader()
+        self.values: list[float] = []
+        self.high = -math.inf  # the highest evaluation: the chart's top must not cut it
+        self._seen = -1
+        self._steps: list[int] = []
+        self._evals: list[float] = []
+
+    def read(self, steps: Sequence[int], evals: Iterable[tuple[int, float]], seen: int) -> list[float]:
+        start = self.reader.read(steps)
+        if seen != self._seen:
+            self._seen, start = seen, 0
+            self._steps, self._evals = [s for s, _ in evals], [v for _, v in evals]
+            self.high = max((v for v in self._evals if not math.isnan(v)), default=-math.inf)
+        if not start:
+            self.values = []
+        for step in steps[start:]:
+            i = bisect_right(self._steps, step) - 1
+            self.values.append(self._evals[i] if i >= 0 else math.nan)
+        return self.values
+
+
 class LossPanel(ChartPanel):
     def __init__(self, view: RunView, *, id: str | None = None) -> None:
         super().__init__(view, Chart(), id=id)
         self.trend = LossTrend()
+        self.evals = EvalLine()
 
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen, self.view.exit_code, self.view.training
+        v = self.view
+        return v.generation, v.samples_seen, v.evals_seen, v.exit_code, v.training
 
     def title(self) -> Text:
-        return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
+        v = self.view
+        lines = [("raw", RAW), ("smoothed", SMOOTHED)] if len(v.series.loss) else []
+        if v.evals:
+            lines.append((f"eval {v.evals[-1][1]:.4g}", EVAL))
+        return legend("loss", lines)
 
     def make_lines(self, width: int, height: int) -> list[Text | Row]:
         v = self.view
@@ -84,7 +120,12 @@ class LossPanel(ChartPanel):
         lines: list[Text | Row] = list(flow(head, width))
         rows = height - len(lines) - 1
         if rows >= 2:
-            self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
-            lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
+            series = [Series(raw, RAW), Series(smoothed, SMOOTHED)]
+            high = self.trend.top  # earlier points may touch the top, but no evaluation
+            if v.evals:
+                series.append(Series(self.evals.read(v.series.loss.steps, v.evals, v.evals_seen), EVAL, gaps=True))
+                high = high if high is None else max(high, self.evals.high)
+            self.chart.read(series, width)
+            lines.extend(self.chart.draw(rows, high=high))
             lines.append(axis(v.series.loss.steps, width, self.chart.extent))
         return lines
