@@ -29,6 +29,7 @@ from ..step.sizing import Sizing
 from ..telemetry.controls import BATCH_NORM_FLOOR
 from ..telemetry.setup import MetricsSink, for_process
 from .boundary import Boundary
+from .deferred import DeferredLoss
 from .oom import Buffers, Generators
 from .options import FitOptions, is_shared, resolve_device
 from .planhook import PlanningHook
@@ -127,6 +128,8 @@ class Trainer:
             micro_batch=o.micro_batch if isinstance(o.micro_batch, int) else None,
             auto_recover=o.auto_recover,
             baseline=session.probe.allocated(),
+            clip_grad_norm=o.clip_grad_norm,
+            grad_norms=DeferredLoss.for_device(device),
         )
         self.planning = PlanningHook(
             model,
@@ -191,6 +194,7 @@ class Trainer:
             amp=self.precision.mode,
             checkpointing=self.checkpointing.enabled,
             ranks=self.strategy.ranks,
+            grad_norm=state.grad_norm,
         )
         state.memory = memory
         state.baseline = memory.allocated or 0
@@ -236,6 +240,7 @@ class Trainer:
                 self.checkpointing.remove()
                 self.strategy.close()
                 self.session.close_tracker()
+                self.state.grad_norms.last()  # the last steps' norms: a skipped one is said before the end
                 self.session.end(self.result().summary(error))
 
     def _start(self, length: dict[str, Any]) -> None:
@@ -256,6 +261,7 @@ class Trainer:
             checkpointing=self.checkpointing.enabled,
             checkpointing_how=self.checkpointing.how,
             auto_recover=self.state.auto_recover,
+            clip_grad_norm=self.state.clip_grad_norm,
             **(group.identity() if group is not None else {}),
         )
 
