@@ -1,4 +1,5 @@
-"""The loss panel: the latest, smoothed and lowest loss, and the run's loss chart."""
+"""The loss panel: the latest, smoothed and lowest loss, and the run's loss chart; under it the gradient
+norm (fit's loop), its highest and the clip, and its own small chart, where spikes show."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..view import RunView
 from .base import ChartPanel, axis, flow, legend
 
 RAW, SMOOTHED = "dim", "bold green"  # the loss chart's lines
+NORM = "yellow"  # the gradient norm's line
 
 
 class LossTrend:
@@ -54,13 +56,39 @@ class LossTrend:
         return self.raw[self._later[0]] if len(self.raw) >= 20 else None
 
 
+class Highest:
+    """The highest point of a series, extended by each new point (a History merges by max: it is kept)."""
+
+    def __init__(self) -> None:
+        self.reader = Reader()
+        self.at = 0
+
+    def read(self, values: Sequence[float]) -> int:
+        """The highest point's index (its first)."""
+        start = self.reader.read(values)
+        if not start:
+            self.at = 0
+        for i in range(start, len(values)):
+            if values[i] > values[self.at]:
+                self.at = i
+        return self.at
+
+
 class LossPanel(ChartPanel):
     def __init__(self, view: RunView, *, id: str | None = None) -> None:
         super().__init__(view, Chart(), id=id)
         self.trend = LossTrend()
+        self.norms = Chart()
+        self.highest = Highest()
+
+    def watch_ended(self, ended: tuple[int, bool]) -> None:
+        super().watch_ended(ended)
+        if ended[1]:
+            self.norms.restart()
 
     def shows(self) -> Hashable:
-        return self.view.generation, self.view.samples_seen, self.view.exit_code, self.view.training
+        v = self.view
+        return v.generation, v.samples_seen, v.exit_code, v.training, v.skipped
 
     def title(self) -> Text:
         return legend("loss", [("raw", RAW), ("smoothed", SMOOTHED)] if len(self.view.series.loss) else [])
@@ -82,9 +110,38 @@ class LossPanel(ChartPanel):
         if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
             head.append(Text(f"from {v.latest.loss_source}", style="italic"))
         lines: list[Text | Row] = list(flow(head, width))
-        rows = height - len(lines) - 1
-        if rows >= 2:
+        norm = self.norm_lines(width)
+        rows = height - len(lines) - len(norm) - 1
+        small = min(4, rows // 4) if norm else 0  # the norm's chart: a quarter of the rows, 2 to 4 of them
+        small = small if small >= 2 else 0
+        if rows - small >= 2:
             self.chart.read([Series(raw, RAW), Series(smoothed, SMOOTHED)], width)
-            lines.extend(self.chart.draw(rows, high=self.trend.top))  # earlier points may touch the top
-            lines.append(axis(v.series.loss.steps, width, self.chart.extent))
+            lines.extend(self.chart.draw(rows - small, high=self.trend.top))  # earlier points may touch the top
+        lines.extend(norm)
+        if rows - small >= 2:
+            if small:
+                self.norms.read([Series(v.series.grad_norm.values, NORM, peaks=True)], width)
+                lines.extend(self.norms.draw(small, low=0.0))
+            lines.append(axis(v.series.loss.steps, width, max(self.chart.extent, self.norms.extent)))
         return lines
+
+    def norm_lines(self, width: int) -> list[Text]:
+        """The gradient norm's figures (fit's loop measures it each step, before clipping): the latest, the
+        highest, the clip, the fp16 steps skipped. None before a norm was seen (an own loop: never)."""
+        v = self.view
+        norms = v.series.grad_norm
+        if not len(norms):
+            return []
+        latest = v.latest.grad_norm if v.latest and v.latest.grad_norm is not None else norms.values[-1]
+        clip = v.info.clip_grad_norm if v.info else None
+        over = clip is not None and latest > clip
+        at = self.highest.read(norms.values)
+        figures = [
+            Text("grad norm ", style=NORM).append(f"{latest:.4g}", style="bold" + (" yellow" if over else "")),
+            Text(f"max {norms.values[at]:.4g} @ {norms.steps[at]}", style="dim"),
+        ]
+        if clip is not None:
+            figures.append(Text(f"clip {clip:.4g}", style="yellow" if over else "dim"))
+        if v.skipped:
+            figures.append(Text(f"{v.skipped} fp16 step{'s' if v.skipped > 1 else ''} skipped", style="red"))
+        return flow(figures, width)
