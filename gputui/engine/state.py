@@ -35,7 +35,7 @@ class RunState:
     """The newest loss read (on CUDA a step late: the result waits for the last)."""
     grad_norms: DeferredLoss = field(default_factory=DeferredLoss)
     """Each step's total gradient norm before clipping, read as the loss is: `grad_norms.last()` is the
-    last step's, exactly (it waits for that copy alone). fit gives the device's reader (CUDA: deferred)."""
+    last step's, exactly (it waits for the copies on their way). fit gives the device's (CUDA: deferred)."""
     grad_norm: float | None = None
     """The newest gradient norm read (before clipping; inf or nan for a step the GradScaler skipped)."""
     skipped_steps: int = 0
