@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import threading
 import time
@@ -53,6 +54,48 @@ class TokenModel(nn.Module):
         for layer in self.layers:
             x = x + torch.relu(layer(x))
         return self.head(self.rnn(x)[0])
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def overflowing(blow_up_at: int):
+    """A step (for Tiny) whose loss, at its `blow_up_at`-th call, is finite but large enough that the scaled
+    gradients overflow fp16 in the backward (as a GradScaler's scale too high does): that step is skipped."""
+    calls = [0]
+
+    def step(model: nn.Module, batch) -> torch.Tensor:
+        calls[0] += 1
+        loss = F.mse_loss(model(batch[0]).float(), batch[1])
+        return loss * 1e30 if calls[0] == blow_up_at else loss
+
+    return step
+
+
+def fp16_clipped_loop(model: nn.Module, batches, step, optimizer, clip: float) -> list[float]:
+    """The reference under fp16, as torch's AMP recipe writes it, with clipping: the norms clip_grad_norm_
+    returned (inf or nan where the GradScaler skipped the step, which must leave the weights as they were)."""
+    device = next(model.parameters()).device.type
+    scaler, norms = torch.amp.GradScaler(device), []
+    for batch in batches:
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast(device, dtype=torch.float16):
+            loss = step(model, batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        kept = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert kept == (not math.isfinite(norms[-1])), "a step is skipped exactly when its norm is not finite"
+    return norms
 
 
 def conv_step(model: nn.Module, batch) -> torch.Tensor:

@@ -33,6 +33,7 @@ from ..telemetry.controls import BATCH_NORM_FLOOR
 from ..telemetry.setup import MetricsSink, for_process
 from .boundary import Boundary
 from .continuity import UNCHANGED, Setting, carried
+from .deferred import DeferredLoss
 from .oom import Buffers, Generators
 from .options import FitOptions, is_shared, resolve_device
 from .planhook import PlanningHook
@@ -132,6 +133,8 @@ class Core:
             micro_batch=o.micro_batch if isinstance(o.micro_batch, int) else None,
             auto_recover=o.auto_recover,
             baseline=session.probe.allocated(),
+            clip_grad_norm=o.clip_grad_norm,
+            grad_norms=DeferredLoss.for_device(device),
         )
         self.planning = PlanningHook(
             model,
@@ -253,6 +256,7 @@ class Core:
             amp=self.precision.mode,
             checkpointing=self.checkpointing.enabled,
             ranks=self.strategy.ranks,
+            grad_norm=state.grad_norm,
         )
         state.memory = memory
         state.baseline = memory.allocated or 0
@@ -299,6 +303,7 @@ class Core:
                 self.checkpointing.remove()
                 self.strategy.close()
                 self.session.close_tracker()
+                self.state.grad_norms.last()  # the last steps' norms: a skipped one is said before the end
                 self._end(error)
 
     def _end(self, error: str | None) -> None:
@@ -341,6 +346,7 @@ class Core:
             checkpointing=self.checkpointing.enabled,
             checkpointing_how=self.checkpointing.how,
             auto_recover=self.state.auto_recover,
+            clip_grad_norm=self.state.clip_grad_norm,
             **(group.identity() if group is not None else {}),
         )
 

@@ -38,6 +38,7 @@ def fit(
     distributed: str = "auto",
     items: Callable[[Any], Any] | None = None,
     planning: str = "auto",
+    clip_grad_norm: float | None = None,
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
@@ -50,6 +51,8 @@ def fit(
     `planning`: "auto" traces the step on fake tensors when it helps (after an OOM, near capacity,
     micro_batch="auto", a plan asked for), "asked" only for micro_batch="auto" and a plan asked for,
     "off" never (a trace runs step() once more: README, "The planner").
+    `clip_grad_norm`: the largest total gradient norm; larger ones are scaled down to it after the last
+    backward (unscaled first under fp16), before optimizer.step().
     """
     options = FitOptions(
         epochs=epochs,
@@ -69,6 +72,7 @@ def fit(
         distributed=distributed,
         items=items,
         planning=planning,
+        clip_grad_norm=clip_grad_norm,
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")

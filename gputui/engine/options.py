@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,12 +73,20 @@ class FitOptions:
     distributed: str = "auto"
     items: Callable[[Any], Any] | None = None
     planning: str = "auto"
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
             positive(name, getattr(self, name))
         if self.items is not None and not callable(self.items):
             raise TypeError(f"items must be a function items(batch) -> count, got {type(self.items).__name__}")
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf
+        ):
+            raise ValueError(
+                f"clip_grad_norm must be a positive number (the largest gradient norm) or None, got {clip!r}"
+            )
         if self.micro_batch != "auto":
             positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):

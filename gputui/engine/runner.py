@@ -1,16 +1,18 @@
 """What every strategy runs a global batch with: the cut into pieces and their weights, a piece's
 forward (on the device, under autocast, its saved tensors counted), the backward through the
-scaler, the optimizer step, and the bookkeeping once a step is done."""
+scaler, the gradient norm and its clipping, the optimizer step, and the bookkeeping once a step is done."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from ..probes.cpu import StateTracker
 from ..step.checkpointing import Checkpointing
@@ -54,6 +56,7 @@ class Runner:
         state: RunState,
     ) -> None:
         self.model, self.step, self.optimizer, self.scheduler, self.items = model, step, optimizer, scheduler, items
+        self.norm: torch.Tensor | None = None  # the step's gradient norm, from the optimizer step to done()
         self.device, self.precision, self.checkpointing = device, precision, checkpointing
         self.session, self.state = session, state
         self.tracker: StateTracker | None = session.tracker
@@ -61,6 +64,7 @@ class Runner:
         self.batch_norms = buffers.batch_norms
         self.losses = DeferredLoss.for_device(device)
         self.loss: torch.Tensor | None = None  # the last step's, detached: read by whoever wants it (a sync)
+        self.grad_norm: torch.Tensor | None = None
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
 
@@ -138,7 +142,12 @@ class Runner:
 
     # -- the step's end ---------------------------------------------------------------------
     def optimizer_step(self) -> None:
+        """Once a step, after its last backward (under torchrun, after the gradients were reduced)."""
+        self.norm = None
         scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # the norm and the clip are the true gradients' (step() will not again)
+        self.norm = self.clip_norm()
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
@@ -146,6 +155,22 @@ class Runner:
             self.optimizer.step()
         if self.tracker is not None:
             self.tracker.refresh_optimizer()
+
+    def clip_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm (a tensor: read later, without waiting for the device), the
+        gradients scaled down to fit's `clip_grad_norm` when it is larger. Measured on every step, clipped
+        or not: it costs one read of the gradients, no wait. Under FSDP2 the gradients are shards
+        (DTensors): their norm comes combined over the ranks, a DTensor made a plain tensor here. A step
+        the GradScaler skips has an inf or nan norm: clipping makes its gradients nan, which it never uses."""
+        params = list(self.model.parameters())
+        norm = get_total_norm([g for p in params if (g := p.grad) is not None])
+        full = getattr(norm, "full_tensor", None)
+        if full is not None:
+            norm = full()
+        clip = self.state.clip_grad_norm
+        if clip is not None:
+            clip_grads_with_norm_(params, clip, norm)
+        return norm
 
     def done(self, loss_sum: torch.Tensor, pieces: int) -> None:
         """After optimizer.step(): the gradients and counted bytes go, the schedule and counters move."""
@@ -161,6 +186,18 @@ class Runner:
         session = self.session
         session.steps += 1
         session.samples += state.batch_size
+        norm, self.norm = self.norm, None
+        self.grad_norm = norm  # the step's, a tensor: read by whoever wants it (gputui.Trainer's result)
+        if norm is not None:
+            skips = partial(self._skipped, session.steps) if self.precision.scaler is not None else None
+            state.grad_norm = state.grad_norms.put(norm, skips)
+
+    def _skipped(self, step: int, norm: float) -> None:
+        """Step `step`'s norm, read: not finite under fp16 means the GradScaler found an inf or nan among
+        the gradients it unscaled (the same ones, the optimizer's being the model's) and skipped the step."""
+        if not math.isfinite(norm):
+            self.state.skipped_steps += 1
+            self.session.emit("step_skipped", at=step, skipped=self.state.skipped_steps)
 
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor):

@@ -237,6 +237,7 @@ class RunSession:
         checkpointing: bool,
         loss_source: str | None = None,
         ranks: tuple[RankMemory, ...] = (),
+        grad_norm: float | None = None,
     ) -> Memory:
         """Publish the step just counted (`steps`, `samples`) with memory after it; returns that memory.
 
@@ -250,7 +251,9 @@ class RunSession:
             self._host, self._host_t = read_host(), now
         fields = (time.time(), steps, epoch, loss, batch_size, micro_batch, accumulation, amp, checkpointing)
         self.hub.publish_record(
-            StepRecord(fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks))
+            StepRecord(
+                fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks, grad_norm)
+            )
         )
         return memory
 

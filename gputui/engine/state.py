@@ -6,10 +6,11 @@ Counters that the session keeps (steps, samples) are read from it, never copied 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..step.sizing import Sizing
 from ..telemetry.sample import Memory
+from .deferred import DeferredLoss
 from .session import RunSession
 
 
@@ -20,6 +21,8 @@ class RunState:
     micro_batch: int | None
     """The setting: a cap on the micro-batch; None is the whole global batch."""
     auto_recover: bool
+    clip_grad_norm: float | None = None
+    """The largest total gradient norm a step keeps (fit's option); None: not clipped."""
     batch_size: int = 0
     """The global batch now (this rank's share under torchrun), in samples."""
     units: int = 0
@@ -30,6 +33,13 @@ class RunState:
     ooms_recovered: int = 0
     loss: float | None = None
     """The newest loss read (on CUDA a step late: the result waits for the last)."""
+    grad_norms: DeferredLoss = field(default_factory=DeferredLoss)
+    """Each step's total gradient norm before clipping, read as the loss is: `grad_norms.last()` is the
+    last step's, exactly (it waits for the copies on their way). fit gives the device's (CUDA: deferred)."""
+    grad_norm: float | None = None
+    """The newest gradient norm read (before clipping; inf or nan for a step the GradScaler skipped)."""
+    skipped_steps: int = 0
+    """fp16 steps the GradScaler skipped (an inf or nan gradient), counted as their norms are read."""
     stop_reason: str | None = None
     memory: Memory | None = None
     """The last step's reading: its peak goes into the next exchange and the planner's calibration."""

@@ -101,9 +101,11 @@ class Trainer:
         distributed: str = "auto",
         items: Callable[[Any], Any] | None = None,
         planning: str = "auto",
+        clip_grad_norm: float | None = None,
     ) -> None:
         positive("steps", steps)
         options = FitOptions(
+            clip_grad_norm=clip_grad_norm,
             scheduler=scheduler,
             micro_batch=micro_batch,
             amp=amp,
@@ -170,7 +172,7 @@ class Trainer:
         state = core.state
         return StepResult(
             core.runner.loss if trained else None,
-            getattr(state, "grad_norm", None) if trained else None,
+            core.runner.grad_norm if trained else None,
             state.micro_batch_now(),
             state.ooms_recovered - ooms,
             state.steps,

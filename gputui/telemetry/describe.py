@@ -139,6 +139,10 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "stopped": lambda e: f"stopped ({e['reason']})",
     "control_refused": lambda e: f"{_ACTIONS.get(e['action'], e['action'])}: not applied, {e['reason']}",
     "loss_not_finite": lambda e: f"loss is {e['loss']}",
+    "step_skipped": lambda e: (
+        f"step {e['at']} skipped: an inf or nan gradient under fp16, the GradScaler lowered its scale "
+        f"({e['skipped']} skipped so far)"
+    ),
     "batch_norm_micro_batched": lambda e: (
         f"BatchNorm now normalizes over micro-batches of {e['micro_batch']} samples, not the global batch of "
         f"{e['batch_size']}: its statistics (and running averages, updated once per micro-batch) differ from "

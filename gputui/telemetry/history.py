@@ -62,22 +62,30 @@ class History:
 
 
 class RunSeries:
-    """The series a run's charts draw, a point a step: the loss (squeezed by mean) and allocated,
-    reserved and peak memory (by max). One place for them: the job's server keeps the run's for
-    clients that attach later, and every screen keeps its own."""
+    """The series a run's charts draw, a point a step: the loss (squeezed by mean), the gradient norm
+    and allocated, reserved and peak memory (by max: a spike must show). One place for them: the job's
+    server keeps the run's for clients that attach later, and every screen keeps its own."""
 
     def __init__(self) -> None:
         self.loss = History()
+        self.grad_norm = History(reduce=max)
         self.allocated = History(reduce=max)
         self.reserved = History(reduce=max)
         self.peak = History(reduce=max)
 
     def _named(self) -> dict[str, History]:
-        return {"loss": self.loss, "allocated": self.allocated, "reserved": self.reserved, "peak": self.peak}
+        return {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "peak": self.peak,
+        }
 
-    def add(self, step: int, loss: float | None, memory: Memory) -> None:
+    def add(self, step: int, loss: float | None, memory: Memory, grad_norm: float | None = None) -> None:
         """A step's points, from its figures (the job's server folds records without making samples)."""
         self.loss.add(step, loss)
+        self.grad_norm.add(step, grad_norm)
         self.allocated.add(step, memory.allocated)
         self.reserved.add(step, memory.reserved)
         self.peak.add(step, memory.peak)

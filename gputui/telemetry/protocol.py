@@ -18,10 +18,10 @@ from typing import Any
 from .controls import ACTIONS
 from .printable import printable
 
-VERSION = 2
+VERSION = 3
 """The protocol's version, in every line; bumped on any incompatible change (2: steps as rows, whose
-layout is StepSample's fields: a field added is a new version). A client and a job that differ say
-so rather than misread each other."""
+layout is StepSample's fields: a field added is a new version; 3: a step's grad_norm). A client and a
+job that differ say so rather than misread each other."""
 
 MAX_CLIENT_LINE = 4096
 """Bytes a client line may take: a control request needs under 200."""

@@ -64,6 +64,7 @@ class RunInfo:
     checkpointing_how: str | None = None
     auto_recover: bool = True
     memory_budget: int | None = None
+    clip_grad_norm: float | None = None  # fit's clip_grad_norm: the largest gradient norm a step keeps
     refused: Mapping[str, str] = field(default_factory=dict)
     """Control action -> why this run refuses it (an own loop cannot change its batch, a model
     without repeated blocks has nothing to checkpoint). Absent: the run takes it."""
@@ -135,6 +136,7 @@ _INFO_TYPES: dict[str, Any] = {
     "checkpointing_how": str,
     "auto_recover": bool,
     "memory_budget": int,
+    "clip_grad_norm": NUMBER,
     "refused": dict,
 }
 

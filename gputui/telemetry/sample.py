@@ -227,6 +227,9 @@ class StepSample:
     loss_source: str | None = None  # None: fit's step(); else where a script's own loop showed it
     steps_per_s: float | None = None
     ranks: tuple[RankMemory, ...] = ()  # under torchrun, every rank (in rank order); () for one process
+    grad_norm: float | None = None
+    """The newest total gradient norm read, before clipping (fit's loop; on CUDA usually a step late, as
+    the loss); None where none was measured (an own loop), inf or nan for a step the GradScaler skipped."""
 
     def to_json(self) -> dict[str, Any]:
         m = self.memory
@@ -255,6 +258,7 @@ class StepSample:
             "loss_source": self.loss_source,
             "steps_per_s": None if self.steps_per_s is None else round(self.steps_per_s, 3),
             **({"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}),
+            "grad_norm": finite(self.grad_norm),
         }
 
 
@@ -284,8 +288,8 @@ class StepRecord:
             sample = self._sample = StepSample(*self.fields)
         return sample
 
-    def charted(self) -> tuple[int, float | None, Memory]:
-        """(step, loss, memory): what the run's charts take, read without making the sample (the job's
+    def charted(self) -> tuple[int, float | None, Memory, float | None]:
+        """(step, loss, memory, grad_norm): what the run's charts take, read without making the sample (the job's
         server folds every step into the history a welcome sends)."""
         return _charted(self.fields)
 
@@ -347,6 +351,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "stopped": ("reason",),
     "control_refused": ("action", "reason"),
     "loss_not_finite": ("loss",),
+    "step_skipped": ("at", "skipped"),
     "batch_norm_micro_batched": ("layers", "micro_batch", "batch_size"),
     "items_hint": ("why", "fix", "micro_batch"),
     "thrashing": ("alloc_retries", "steps", "micro_batch", "micro_batch_to", "accumulation"),
@@ -384,4 +389,4 @@ STEP_ROW = Layout(
 )
 """A step's row on the wire, read from StepSample's declaration (and its records')."""
 _STEP = STEP_ROW.index("step")
-_charted = itemgetter(_STEP, STEP_ROW.index("loss"), STEP_ROW.index("memory"))
+_charted = itemgetter(_STEP, STEP_ROW.index("loss"), STEP_ROW.index("memory"), STEP_ROW.index("grad_norm"))

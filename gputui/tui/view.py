@@ -78,6 +78,7 @@ class RunView:
     failure: str | None = None  # the script's traceback, or why it could not start
     ooms: int = 0
     idle_since: float | None = None  # the script works outside a step since then (wall clock)
+    skipped: int = 0  # fp16 steps the GradScaler skipped (the latest step_skipped event's count)
     banner: str | None = None  # attach: disconnected, reconnecting, the job ended...
     remote: bool = False  # attached to a job in another process
     # Counters that only grow: a panel compares them with what it last drew to skip a re-render.
@@ -123,7 +124,7 @@ class RunView:
         self.runs = runs
         self.generation += 1
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = self.plan = None
-        self.ooms = 0
+        self.ooms = self.skipped = 0
         self.series.clear()
         self.evals.clear()
         self.pending.clear()
@@ -135,7 +136,7 @@ class RunView:
             self.first = s
         self.latest = s
         self.samples_seen += 1
-        self.series.add(s.step, s.loss, s.memory)
+        self.series.add(s.step, s.loss, s.memory, s.grad_norm)
 
     def _event(self, e: Event) -> None:
         request = e.get("request_id")
@@ -166,6 +167,10 @@ class RunView:
         elif e.name == "run_continued" and self.info is not None:
             self.info = self.info.continued(e.details)
             self.auto_recover = self.info.auto_recover
+        elif (
+            e.name == "step_skipped" and type(e["skipped"]) is int
+        ):  # a job's record: only what describe() needs is checked
+            self.skipped = e["skipped"]
         if e.name in ("oom", "oom_recovered"):
             self.ooms += 1
         text = describe(e)

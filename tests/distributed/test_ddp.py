@@ -123,6 +123,7 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
         ooms=[[e.name, e.step, e.details["phase"], e.details.get("micro_batch_to")]
               for e in hub.events() if e.name.startswith("oom")],
         calls=len(calls),
+        norms=[s.grad_norm for s in hub.samples()],
         ranks=[r.to_json() for r in hub.latest().ranks] if hub.latest() else None,
         identity=[getattr(hub.info, k) for k in IDENTITY] if hub.info else None,
     )
@@ -201,6 +202,12 @@ for name in sys.argv[3:]:
         run(name, [token_shard(b, rank) for b in token_batches()], make_model=token_model,
             micro_batch=None if size == "None" else int(size), distributed="fsdp" if kind == ["fsdp"] else "auto",
             items=None if kind == ["samples"] else count_tokens)
+        step = plain
+    elif name.startswith("clip-"):  # clip-[fsdp-]SIZE: token means over padded sequences, their gradient clipped
+        plain, step = step, token_step
+        run(name, [token_shard(b, rank) for b in token_batches()], make_model=token_model, items=count_tokens,
+            micro_batch=int(name.split("-")[-1]), distributed="fsdp" if "-fsdp-" in name else "auto",
+            clip_grad_norm=float(os.environ["CLIP"]))
         step = plain
     elif name.startswith("fsdp-"):
         kind = name.split("-", 1)[1]
@@ -345,17 +352,21 @@ def reference(epochs: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def token_reference() -> dict[str, torch.Tensor]:
-    """One process, the whole global batch each step, a plain loop: the token mean over all 8 samples."""
+def token_reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole global batch each step, a plain loop: the token mean over all 8 samples;
+    with `clip`, its gradient clipped by clip_grad_norm_, and the norms that returned."""
     namespace: dict = {}
     exec(COMMON, namespace)
     model = namespace["token_model"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
     for batch in namespace["token_batches"]():
         namespace["token_step"](model, batch).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
         optimizer.zero_grad()
-    return model.state_dict()
+    return model.state_dict(), norms
 
 
 def test_token_weighted_micro_batches_equal_one_process(tmp_path):
@@ -364,7 +375,7 @@ def test_token_weighted_micro_batches_equal_one_process(tmp_path):
     micro-batch None, 2 and 3 (pieces of 3 and 1), under DDP and FSDP2. Weighted by samples, they do not."""
     good = ("tokens-None", "tokens-2", "tokens-3", "tokens-fsdp-2", "tokens-fsdp-3")
     out = launch(tmp_path, "fit-group", *good, "tokens-samples-2")
-    expected = token_reference()
+    expected, _ = token_reference()
     for name in good:
         for record, state in zip(records(out, name), weights(out, name), strict=True):
             assert (record["steps"], record.get("error")) == (3, None), (name, record)
@@ -373,6 +384,20 @@ def test_token_weighted_micro_batches_equal_one_process(tmp_path):
     assert max(float((by_samples[k] - expected[k]).abs().max()) for k in expected) > 1e-3
     hints = [[e for e in r["events"] if e[0] == "items_hint"] for r in records(out, "tokens-samples-2")]
     assert hints == [[["items_hint", 0, None]]] * 2
+
+
+def test_the_clip_is_the_whole_models_gradient_under_ddp_and_fsdp2(tmp_path):
+    """clip_grad_norm under torchrun: DDP's reduced gradient and FSDP2's shards (their norms combined over
+    the ranks) are clipped as one process clips the whole batch's; every rank records the same norms."""
+    names = ("clip-2", "clip-fsdp-2")
+    out = launch(tmp_path, "fit-group", *names, env={"CLIP": "0.44"})
+    expected, norms = token_reference(clip=0.44)
+    assert sum(n > 0.44 for n in norms) >= 2, "the clip must bite for this test to mean anything"
+    for name in names:
+        for record, state in zip(records(out, name), weights(out, name), strict=True):
+            assert (record["steps"], record.get("error")) == (3, None), (name, record)
+            assert record["norms"] == pytest.approx(norms, rel=1e-5), name
+            assert_close(state, expected)
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

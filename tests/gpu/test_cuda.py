@@ -3,12 +3,23 @@
 Run through the device tool when a GPU is lent: `pytest -m gpu tests/gpu`.
 """
 
+import math
 import os
 import threading
 
 import pytest
 import torch
-from helpers import ConvNet, assert_same_weights, conv_batches, conv_step, plain_loop, twins
+from helpers import (
+    ConvNet,
+    Tiny,
+    assert_same_weights,
+    conv_batches,
+    conv_step,
+    fp16_clipped_loop,
+    overflowing,
+    plain_loop,
+    twins,
+)
 
 import gputui
 from gputui.probes.cuda import CudaProbe
@@ -171,8 +182,9 @@ def test_predicted_peak_matches_max_memory_allocated(amp):
 
 
 def test_steps_do_not_synchronise_with_the_device(hub):
-    """Every step after the first runs under sync debug mode "error": the loss reaches the host through
-    pinned memory behind an event (engine/deferred.py), and nothing else in the step waits for the GPU.
+    """Every step after the first runs under sync debug mode "error": the loss and the gradient norm reach
+    the host through pinned memory behind an event (engine/deferred.py), and nothing else in the step
+    (clipping included) waits for the GPU.
     The first step is outside it (lazy initialisation), and so is fit's return, which waits for the
     last loss: that one is exact."""
     torch.manual_seed(0)
@@ -193,10 +205,32 @@ def test_steps_do_not_synchronise_with_the_device(hub):
 
     try:
         result = gputui.fit(
-            model, strict(), step, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), device="cuda"
+            model,
+            strict(),
+            step,
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            device="cuda",
+            clip_grad_norm=0.5,  # the norm is measured and clipped without waiting for the GPU either
         )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     losses = [t.item() for t in computed]
     assert result.steps == 8 and result.loss == losses[-1]
     assert {s.loss for s in hub.samples()} <= {None, *losses}  # a step late or more, never made up
+
+
+def test_clipping_under_fp16_equals_torchs_amp_recipe_and_counts_the_skipped_step(hub):
+    """On CUDA the norm is read a step late (engine/deferred.py): the skipped step is still counted and
+    said by the run's end, and the weights are those of torch's AMP recipe with clip_grad_norm_."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g).cuda(), torch.randn(8, 1, generator=g).cuda()) for _ in range(6)]
+    ref, model = twins(Tiny)
+    ref.cuda()
+    expected = fp16_clipped_loop(ref, batches, overflowing(2), torch.optim.SGD(ref.parameters(), lr=0.5), 0.5)
+    assert [math.isfinite(n) for n in expected] == [True, False, True, True, True, True]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gputui.fit(model, batches, overflowing(2), optimizer, amp="fp16", clip_grad_norm=0.5, device="cuda")
+    assert_same_weights(model, ref)
+    assert [(e["at"], e["skipped"]) for e in result.events if e.name == "step_skipped"] == [(2, 1)]
+    published = [n for n in (s.grad_norm for s in hub.samples()) if n is not None and math.isfinite(n)]
+    assert published and all(any(math.isclose(n, e, rel_tol=1e-5) for e in expected) for n in published)

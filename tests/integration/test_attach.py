@@ -140,8 +140,8 @@ def test_hostile_clients_cannot_stop_or_slow_the_job(env, job):
     clients = []
     for payload in (
         b"garbage\n" * 50,
-        b'{"v": 2, "kind": "control", "id": 1, "action": "stop"}\n',
-        b'{"v": 2, "kind": "hel',
+        b'{"v": 3, "kind": "control", "id": 1, "action": "stop"}\n',
+        b'{"v": 3, "kind": "hel',
         b"A" * 20_000,
         b"\xff" * 100 + b"\n",
         b"[" * 2000 + b"\n",

@@ -57,6 +57,21 @@ def test_a_device_far_behind_costs_a_bounded_number_of_copies():
     assert losses.last() == 3 * MAX_PENDING - 1
 
 
+def test_each_value_is_handed_on_once_in_step_order_even_those_never_shown():
+    """What a value is handed to (the grad norm's check for a skipped fp16 step) sees every value once, in
+    order: those read late, those past MAX_PENDING (never shown, waited for then), and the last ones."""
+    handed = []
+    values = DeferredLoss(late(10_000))
+    for i in range(MAX_PENDING + 5):
+        values.put(torch.tensor(float(i)), handed.append if i % 2 else None)
+    assert handed == [float(i) for i in range(1, 5, 2)]  # the five oldest went: the odd ones among them handed on
+    assert values.last() == MAX_PENDING + 4
+    assert handed == [float(i) for i in range(1, MAX_PENDING + 5, 2)]
+    assert values.last() == MAX_PENDING + 4 and len(handed) == (MAX_PENDING + 4) // 2  # each once
+    now = DeferredLoss.for_device(torch.device("cpu"))
+    assert now.put(torch.tensor(1.5), handed.append) == 1.5 and handed[-1] == 1.5
+
+
 def test_without_a_device_to_wait_for_each_loss_is_read_at_once():
     losses = DeferredLoss.for_device(torch.device("cpu"))
     assert losses.put(torch.tensor(2.5)) == 2.5 and losses.last() == 2.5
@@ -77,13 +92,15 @@ def test_fit_publishes_the_losses_that_arrived_and_returns_the_last_one_exact(hu
             monkeypatch.setattr(deferred.DeferredLoss, "for_device", classmethod(lambda cls, device: cls(copies)))
         start = len(hub.samples())
         result = gputui.fit(model, conv_batches(6, 8), step, torch.optim.SGD(model.parameters(), lr=0.05))
-        return result, [s.loss for s in hub.samples()[start:]], losses
+        samples = hub.samples()[start:]
+        return result, [s.loss for s in samples], losses, [s.grad_norm for s in samples]
 
-    now, now_samples, computed = run(None)
-    later, later_samples, _ = run(late(1))
+    now, now_samples, computed, norms = run(None)
+    later, later_samples, _, later_norms = run(late(1))
     assert now_samples == computed
     assert later_samples == [None, *computed[:-1]]  # each sample a step late on a device that lags
     assert now.loss == later.loss == computed[-1]  # but the run's last loss is exact
+    assert None not in norms and later_norms == [None, *norms[:-1]]  # the gradient norm travels the same way
 
 
 def test_the_loss_read_does_not_keep_the_steps_graph_alive_through_the_optimizer(hub):

@@ -20,6 +20,7 @@ EXAMPLES = {
     "stopped": {"reason": "requested"},
     "control_refused": {"action": "halve_batch", "reason": "the micro-batch is already 1"},
     "loss_not_finite": {"loss": "nan"},
+    "step_skipped": {"at": 7, "skipped": 2},
     "batch_norm_micro_batched": {"layers": 2, "micro_batch": 4, "batch_size": 16},
     "items_hint": {
         "why": "its labels hold -100 (positions the loss ignores)",

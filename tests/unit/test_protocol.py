@@ -89,7 +89,7 @@ def test_fuzz_objects_only_protocol_errors_and_valid_results_are_clean(data):
 def test_a_line_returned_without_the_walk_is_what_the_walk_makes_of_it(data, ascii_only):
     """parse_server skips its walk over plain lines (printable ASCII, no risky number): never where the
     walk would have stripped a string or refused a number."""
-    raw = json.dumps({**data, "v": 2, "kind": "step"}, ensure_ascii=ascii_only).encode()
+    raw = json.dumps({**data, "v": 3, "kind": "step"}, ensure_ascii=ascii_only).encode()
     outcomes = []
     for parse in (parse_server, lambda line: protocol._printable(json.loads(line), 0, None)):
         try:
@@ -111,11 +111,11 @@ def test_deep_nesting_is_a_protocol_error_not_a_recursion_error():
     with pytest.raises(ProtocolError, match="nested too deeply"):
         parse_client(b"[" * 2000)  # 2000 bytes: under the line limit, past the parser's recursion limit
     with pytest.raises(ProtocolError, match="nested too deeply"):
-        parse_server(b'{"v": 2, "kind": "hello", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        parse_server(b'{"v": 3, "kind": "hello", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
 
 
 def test_server_records_past_the_depth_limit_are_refused():
-    deep = b'{"v": 2, "kind": "step", "x": ' + b"[" * 40 + b"]" * 40 + b"}"
+    deep = b'{"v": 3, "kind": "step", "x": ' + b"[" * 40 + b"]" * 40 + b"}"
     with pytest.raises(ProtocolError, match="deeper than 32"):
         parse_server(deep)
 
@@ -123,9 +123,9 @@ def test_server_records_past_the_depth_limit_are_refused():
 def test_server_strings_lose_escape_sequences_and_controls_keys_and_nested_values_too():
     escapes = "\x1b[2J\x1b]0;t\x07\x9b31m\r\x00\x7f"
     raw = json.dumps(
-        {"v": 2, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}], "n": 3}
+        {"v": 3, "kind": "hello", f"k{escapes}": [f"a{escapes}", {escapes: f"multi\nline\ttab{escapes}"}], "n": 3}
     ).encode()
-    assert parse_server(raw) == {"v": 2, "kind": "hello", "k": ["a", {"": "multi line\ttab"}], "n": 3}
+    assert parse_server(raw) == {"v": 3, "kind": "hello", "k": ["a", {"": "multi line\ttab"}], "n": 3}
 
 
 def test_a_version_error_quotes_at_most_a_few_characters():
@@ -136,7 +136,7 @@ def test_a_version_error_quotes_at_most_a_few_characters():
 
 def test_server_strings_keep_newlines_only_in_a_report_and_lose_bidi_overrides():
     raw = json.dumps(
-        {"v": 2, "kind": "event", "name": "memory_summary", "text": "line 1\nline 2", "argv": ["a\nb", "\u202eevil"]}
+        {"v": 3, "kind": "event", "name": "memory_summary", "text": "line 1\nline 2", "argv": ["a\nb", "\u202eevil"]}
     ).encode()
     assert parse_server(raw)["text"] == "line 1\nline 2"
     assert parse_server(raw)["argv"] == ["a b", "evil"]
@@ -145,7 +145,7 @@ def test_server_strings_keep_newlines_only_in_a_report_and_lose_bidi_overrides()
 @pytest.mark.parametrize("number", [b"Infinity", b"-Infinity", b"NaN", b"1e400", b"1" + b"0" * 400])
 def test_server_numbers_python_cannot_handle_are_refused(number):
     with pytest.raises(ProtocolError):
-        parse_server(b'{"v": 2, "kind": "step", "loss": ' + number + b"}")
+        parse_server(b'{"v": 3, "kind": "step", "loss": ' + number + b"}")
 
 
 @pytest.mark.parametrize("encoding", ["utf-16-be", "utf-16-le", "utf-32-be"])
@@ -153,9 +153,9 @@ def test_a_line_in_another_encoding_is_refused_not_guessed(encoding):
     """json.loads(bytes) guesses UTF-16/32: a UTF-16 line of ASCII bytes slipped a bidi override, NaN and a
     400-digit number past the plain-line check. Lines are UTF-8 JSON, nothing else."""
     for body in (
-        '{"v": 2, "kind": "output", "lines": ["\u202eevil"]}',
-        '{"v": 2, "kind": "step", "step": 1, "loss": NaN}',
-        '{"v": 2, "kind": "step", "step": ' + "9" * 400 + "}",
+        '{"v": 3, "kind": "output", "lines": ["\u202eevil"]}',
+        '{"v": 3, "kind": "step", "step": 1, "loss": NaN}',
+        '{"v": 3, "kind": "step", "step": ' + "9" * 400 + "}",
     ):
         with pytest.raises(ProtocolError, match="not JSON"):
             parse_server(body.encode(encoding) + b"\n")

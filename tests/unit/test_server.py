@@ -26,7 +26,7 @@ def runtime_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def sample(step, loss=1.0):
+def sample(step, loss=1.0, grad_norm=None):
     return StepSample(
         t=1.0,
         step=step,
@@ -39,6 +39,7 @@ def sample(step, loss=1.0):
         checkpointing=False,
         samples_per_s=None,
         memory=Memory("cpu", allocated=100 + step, peak=200),
+        grad_norm=grad_norm,
     )
 
 
@@ -76,13 +77,14 @@ def test_a_client_gets_who_the_run_so_far_then_live_records(served):
     hub, server = served
     hub.start(RunInfo(device="cpu", argv=("train.py",)))
     for step in range(1, 6):
-        hub.publish(sample(step, loss=1.0 / step))
+        hub.publish(sample(step, loss=1.0 / step, grad_norm=None if step == 3 else 2.0 * step))
     hub.emit(Event("paused", 5, {"reason": "test"}))
     until(lambda: len(server._so_far.events) == 1)  # the server thread took them in: the event came last
     with Connection(server.path) as conn:
         welcome = conn.welcome()
         assert welcome.hello["pid"] == os.getpid() and welcome.info.argv == ("train.py",)
         assert welcome.history["series"]["loss"]["steps"] == [1, 2, 3, 4, 5]
+        assert welcome.history["series"]["grad_norm"] == {"steps": [1, 2, 4, 5], "values": [2, 4, 8, 10], "stride": 1}
         assert welcome.latest.step == 5 and [e["name"] for e in welcome.events] == ["paused"]
         hub.publish(sample(6))
         hub.end(RunSummary(steps=6))
@@ -116,7 +118,7 @@ def test_watch_only_cannot_steer_but_control_can(served):
         ident = watcher.request("halve_batch")
         reply = watcher.read()
         assert reply == {
-            "v": 2,
+            "v": 3,
             "kind": "error",
             "id": ident,
             "reason": "watch-only connection: attach with --control to steer",
@@ -141,10 +143,10 @@ def test_malformed_and_oversized_messages(served):
         conn.welcome()
         conn.sock.sendall(b"{not json}\n")
         assert conn.read()["reason"].startswith("not JSON")
-        conn.sock.sendall(b'{"v": 2, "kind": "hello", "control": true}')  # half-written: no newline yet
+        conn.sock.sendall(b'{"v": 3, "kind": "hello", "control": true}')  # half-written: no newline yet
         time.sleep(0.1)
         conn.sock.sendall(b"\n")
-        assert conn.read() == {"v": 2, "kind": "ack", "hello": True, "control": True}
+        assert conn.read() == {"v": 3, "kind": "ack", "hello": True, "control": True}
         conn.sock.sendall(b"x" * 10_000)  # no newline, past the limit: dropped
         assert "line longer than" in conn.read()["reason"]
         assert conn.read() is None
@@ -211,7 +213,7 @@ def test_deeply_nested_json_is_refused_like_any_malformed_line(served, capfd):
         conn.sock.sendall(b"[" * 2000 + b"\n")  # under the 4 KiB line limit, past the JSON parser's recursion
         assert conn.read()["reason"] == "not JSON: nested too deeply"
         conn.send({"kind": "hello", "control": True})
-        assert conn.read() == {"v": 2, "kind": "ack", "hello": True, "control": True}, "and the server goes on"
+        assert conn.read() == {"v": 3, "kind": "ack", "hello": True, "control": True}, "and the server goes on"
     assert "telemetry server error" not in capfd.readouterr().err
 
 
@@ -334,7 +336,7 @@ def test_one_client_too_many_is_told_and_closed(served, monkeypatch):
         a.welcome()
         b.welcome()
         with Connection(server.path) as c:
-            assert c.read() == {"v": 2, "kind": "error", "reason": "the job serves 2 clients already"}
+            assert c.read() == {"v": 3, "kind": "error", "reason": "the job serves 2 clients already"}
             assert c.read() is None
 
 
@@ -343,7 +345,7 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
     path = str(runtime_dir / "fake.sock")
     listener.bind(path)
     listener.listen(4)
-    hello = b'{"v": 2, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
+    hello = b'{"v": 3, "kind": "hello", "pid": 1, "argv": ["fake.py"], "runs": 1, "info": {"device": "cpu"}}\n'
     row = StepRecord.of(sample(1)).row()
     row[1] = "x"
     bad = protocol.encode({"kind": "steps", "rows": [row]})
@@ -353,7 +355,7 @@ def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
     def serve():
         listener.settimeout(10)
         conn, _ = listener.accept()
-        conn.sendall(hello + b'{"v": 2, "kind": "live"}\n' + bad)
+        conn.sendall(hello + b'{"v": 3, "kind": "live"}\n' + bad)
         checked.wait(5)  # the connection stays open while the test looks
         conn.close()
 

@@ -44,6 +44,7 @@ def full(step: int = 7) -> StepSample:
         loss_source="tqdm",
         steps_per_s=19.25,
         ranks=(RankMemory(0, 16, 5 << 30, 80 << 30, 0.3, 600.0, 1), RankMemory(1, 8, None, None, None, None, 0)),
+        grad_norm=2.718281828,
     )
 
 
@@ -67,13 +68,13 @@ def test_the_row_layout_is_the_samples_fields_in_order():
     assert all(len(rank) == len(fields(RankMemory)) for rank in row[15])
 
 
-def test_the_row_is_protocol_version_2s_layout():
+def test_the_row_is_protocol_version_3s_layout():
     """The row is read from the records' declarations (telemetry/rows.py): a field added, moved or renamed
-    there changes what every step sends, which a client of version 2 would misread or refuse."""
-    assert protocol.VERSION == 2
+    there changes what every step sends, which a client of version 3 would misread or refuse."""
+    assert protocol.VERSION == 3
     assert STEP_ROW.names == (
         *("t", "step", "epoch", "loss", "batch_size", "micro_batch", "accumulation", "amp", "checkpointing"),
-        *("samples_per_s", "memory", "samples", "host", "loss_source", "steps_per_s", "ranks"),
+        *("samples_per_s", "memory", "samples", "host", "loss_source", "steps_per_s", "ranks", "grad_norm"),
     )
     layouts = {inner.cls: inner.names for _, inner, _ in STEP_ROW.nested}
     assert layouts[Memory] == (
@@ -85,11 +86,11 @@ def test_the_row_is_protocol_version_2s_layout():
     assert layouts[RankMemory] == ("rank", "micro_batch", "peak", "capacity", "loss", "samples_per_s", "ooms")
 
 
-def test_a_record_gives_the_charts_its_step_loss_and_memory_without_a_sample():
+def test_a_record_gives_the_charts_its_step_loss_memory_and_grad_norm_without_a_sample():
     """The job's server folds every step into the history a welcome sends from the record's figures."""
     sample = full()
     record = StepRecord(StepRecord.of(sample).fields)
-    assert record.charted() == (sample.step, sample.loss, sample.memory)
+    assert record.charted() == (sample.step, sample.loss, sample.memory, sample.grad_norm)
     assert record._sample is None
 
 
@@ -118,7 +119,8 @@ def wrong(where: int | tuple[int, int], value) -> bytes:
         (wrong((12, 1), [[[[1]]]]), "row 1's host reading: 'cpu_percent' is a list"),
         (wrong(15, [[0, 16]]), "row 1's rank is not a list of 7 values"),
         (wrong(15, [[0, "16", None, None, None, None, 0]]), "row 1's rank: 'micro_batch' is a str"),
-        (encode({"kind": "steps", "rows": [[1.0] * 15]}), "row 0 is not a list of 16 values"),
+        (wrong(16, "1.5"), "row 1: 'grad_norm' is a str"),
+        (encode({"kind": "steps", "rows": [[1.0] * 16]}), "row 0 is not a list of 17 values"),
         (encode({"kind": "steps", "rows": {"0": []}}), "a steps record without its rows"),
         (encode({"kind": "steps"}), "a steps record without its rows"),
     ],
@@ -132,7 +134,7 @@ def test_many_rows_are_parsed_without_the_walk_and_a_deep_row_is_still_refused(m
     """A turn's steps hold far more brackets than the depth limit: they are exempt from the count (the rows'
     shape is checked whole), so a step costs no walk; any other record is counted as before."""
     many = encode({"kind": "steps", "rows": [StepRecord.of(full(n)).row() for n in range(200)]})
-    deep = encode({"kind": "steps", "rows": [[*StepRecord.of(full()).row()[:15], [[[[[[[[]]]]]]]] * 40]]})
+    deep = encode({"kind": "steps", "rows": [[*StepRecord.of(full()).row()[:15], [[[[[[[[]]]]]]]] * 40, None]]})
     monkeypatch.setattr(protocol, "_printable", lambda *a: pytest.fail("walked"))
     assert len(checked(parse_server(many))["rows"]) == 200
     with pytest.raises(ProtocolError, match="rank is not a list of 7"):
@@ -143,7 +145,7 @@ def test_many_rows_are_parsed_without_the_walk_and_a_deep_row_is_still_refused(m
         parse_server(encode({"kind": "steps", "rows": [], "x": [[]] * 40}))
 
 
-def test_a_nan_loss_goes_as_null_and_does_not_hold_back_the_other_steps():
+def test_a_nan_loss_or_grad_norm_goes_as_null_and_does_not_hold_back_the_other_steps():
     hub = Hub()
     server = TelemetryServer(hub).start()
     try:
@@ -151,7 +153,7 @@ def test_a_nan_loss_goes_as_null_and_does_not_hold_back_the_other_steps():
         with Connection(server.path, timeout=5) as conn:
             conn.welcome()
             hub.publish(full(1))
-            hub.publish(StepSample(1.0, 2, 0, math.nan, 8, 8, 1, "off", False, None, Memory("cpu")))
+            hub.publish(StepSample(1.0, 2, 0, math.nan, 8, 8, 1, "off", False, None, Memory("cpu"), grad_norm=math.inf))
             hub.publish(full(3))
             rows = []
             while len(rows) < 3:
@@ -159,7 +161,8 @@ def test_a_nan_loss_goes_as_null_and_does_not_hold_back_the_other_steps():
                 rows += record["rows"] if record["kind"] == "steps" else []
     finally:
         server.close()
-    assert [(row[1], row[3]) for row in rows] == [(1, full().loss), (2, None), (3, full().loss)]
+    loss, norm = full().loss, full().grad_norm
+    assert [(row[1], row[3], row[16]) for row in rows] == [(1, loss, norm), (2, None, None), (3, loss, norm)]
 
 
 def test_steps_and_events_arrive_in_the_order_they_happened():

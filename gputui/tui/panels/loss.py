@@ -1,4 +1,5 @@
-"""The loss panel: the latest, smoothed and lowest loss, and the run's loss chart."""
+"""The loss panel: the latest, smoothed and lowest loss, and the run's loss chart; under it the gradient
+norm (fit's loop), its highest and the clip, and its own small chart, where spikes show."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..view import RunView
 from .base import ChartPanel, axis, flow, legend
 
 RAW, SMOOTHED, EVAL = "dim", "bold green", "bold magenta"  # the loss chart's lines
+NORM = "yellow"  # the gradient norm's line
 
 
 class LossTrend:
@@ -84,15 +86,40 @@ class EvalLine:
         return self.values
 
 
+class Highest:
+    """The highest point of a series, extended by each new point (a History merges by max: it is kept)."""
+
+    def __init__(self) -> None:
+        self.reader = Reader()
+        self.at = 0
+
+    def read(self, values: Sequence[float]) -> int:
+        """The highest point's index (its first)."""
+        start = self.reader.read(values)
+        if not start:
+            self.at = 0
+        for i in range(start, len(values)):
+            if values[i] > values[self.at]:
+                self.at = i
+        return self.at
+
+
 class LossPanel(ChartPanel):
     def __init__(self, view: RunView, *, id: str | None = None) -> None:
         super().__init__(view, Chart(), id=id)
         self.trend = LossTrend()
         self.evals = EvalLine()
+        self.norms = Chart()
+        self.highest = Highest()
+
+    def watch_ended(self, ended: tuple[int, bool]) -> None:
+        super().watch_ended(ended)
+        if ended[1]:
+            self.norms.restart()
 
     def shows(self) -> Hashable:
         v = self.view
-        return v.generation, v.samples_seen, v.evals_seen, v.exit_code, v.training
+        return v.generation, v.samples_seen, v.evals_seen, v.exit_code, v.training, v.skipped
 
     def title(self) -> Text:
         v = self.view
@@ -118,14 +145,43 @@ class LossPanel(ChartPanel):
         if v.latest and v.latest.loss_source:  # an own loop: say where the loss was read
             head.append(Text(f"from {v.latest.loss_source}", style="italic"))
         lines: list[Text | Row] = list(flow(head, width))
-        rows = height - len(lines) - 1
-        if rows >= 2:
+        norm = self.norm_lines(width)
+        rows = height - len(lines) - len(norm) - 1
+        small = min(4, rows // 4) if norm else 0  # the norm's chart: a quarter of the rows, 2 to 4 of them
+        small = small if small >= 2 else 0
+        if rows - small >= 2:
             series = [Series(raw, RAW), Series(smoothed, SMOOTHED)]
             high = self.trend.top  # earlier points may touch the top, but no evaluation
             if v.evals:
                 series.append(Series(self.evals.read(v.series.loss.steps, v.evals, v.evals_seen), EVAL, gaps=True))
                 high = high if high is None else max(high, self.evals.high)
             self.chart.read(series, width)
-            lines.extend(self.chart.draw(rows, high=high))
-            lines.append(axis(v.series.loss.steps, width, self.chart.extent))
+            lines.extend(self.chart.draw(rows - small, high=high))
+        lines.extend(norm)
+        if rows - small >= 2:
+            if small:
+                self.norms.read([Series(v.series.grad_norm.values, NORM, peaks=True)], width)
+                lines.extend(self.norms.draw(small, low=0.0))
+            lines.append(axis(v.series.loss.steps, width, max(self.chart.extent, self.norms.extent)))
         return lines
+
+    def norm_lines(self, width: int) -> list[Text]:
+        """The gradient norm's figures (fit's loop measures it each step, before clipping): the latest, the
+        highest, the clip, the fp16 steps skipped. None before a norm was seen (an own loop: never)."""
+        v = self.view
+        norms = v.series.grad_norm
+        if not len(norms):
+            return []
+        latest = v.latest.grad_norm if v.latest and v.latest.grad_norm is not None else norms.values[-1]
+        clip = v.info.clip_grad_norm if v.info else None
+        over = clip is not None and latest > clip
+        at = self.highest.read(norms.values)
+        figures = [
+            Text("grad norm ", style=NORM).append(f"{latest:.4g}", style="bold" + (" yellow" if over else "")),
+            Text(f"max {norms.values[at]:.4g} @ {norms.steps[at]}", style="dim"),
+        ]
+        if clip is not None:
+            figures.append(Text(f"clip {clip:.4g}", style="yellow" if over else "dim"))
+        if v.skipped:
+            figures.append(Text(f"{v.skipped} fp16 step{'s' if v.skipped > 1 else ''} skipped", style="red"))
+        return flow(figures, width)
