@@ -1,7 +1,9 @@
-"""What gputui itself costs: CLI start, attaching to a job, an attached TUI's CPU, the socket server.
+"""What gputui itself costs: CLI start, attaching to a job, an attached TUI's CPU, the socket server,
+and on CUDA reading the allocator a step.
 
 A headless job (the tiny MLP through `gputui.fit`, as `python train.py` runs it) trains in the
-background for the attach figures. Nothing here imports torch: the attach side must not need it.
+background for the attach figures. Nothing here imports torch: the attach side must not need it
+(the allocator's reads are timed in a child process).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 import harness
 
-FULL = {"runs": 10, "cpu_s": 10.0, "samples": 5000, "frames": 60}
-QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10}
+FULL = {"runs": 10, "cpu_s": 10.0, "samples": 5000, "frames": 60, "reads": 2000}
+QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10, "reads": 200}
 PUBLISH_HZ = 500  # a 2 ms step
 ROWS_PER_RECORD = 35  # a turn's steps (50 ms) at ~700 steps a second: the tiny MLP on one thread
 
@@ -56,6 +58,21 @@ def help_start(runs: int, env: dict[str, str]) -> dict[str, Any]:
         .replace("'", '"')
     )
     return {"ms": harness.summary(times), "heavy_modules_loaded": loaded, "torch_imported": "torch" in loaded}
+
+
+def allocator_reads(device: str, calls: int, runs: int, env: dict[str, str]) -> dict[str, Any]:
+    """CPU time of one reading of the CUDA caching allocator, as a step pays it: `memory_stats()` (and
+    `memory_allocated()`, which calls it) against the one nested read the probe makes, and the probe's
+    whole reading. No GPU work is waited for: these are host-side calls. Skipped without CUDA."""
+    argv = [sys.executable, os.path.join(harness.HERE, "allocator_reads.py"), device, str(calls), str(runs)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"timing the allocator's reads failed: {done.stderr[-500:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, value in out.items():
+        if isinstance(value, list):
+            out[name] = harness.summary(value)
+    return out
 
 
 def first_render(path: str, pid: int) -> float:
@@ -295,6 +312,8 @@ def run(quick: bool, device: str) -> dict[str, Any]:
             )
         out["server"] = [server_cost(n, config["samples"], sample, tmp, env) for n in (0, 1, 4)]
         out["client"] = client_cost(sample, 10 * config["samples"])
+        out["allocator"] = allocator_reads(device, config["reads"], config["runs"], env)
+        print(f"tool costs: allocator reads {out['allocator'].get('skipped', 'timed')}", file=sys.stderr)
     return out
 
 
@@ -353,7 +372,30 @@ def markdown(r: dict[str, Any]) -> str:
             f"record, as the server sends them at ~700 steps a second: **{harness.fmt(c['cpu_us_per_step'])} us** "
             f"({c['bytes_per_step']:.0f} bytes a step on the wire).",
         ]
+    lines += ["", *allocator_lines(r.get("allocator"))]
     return "\n".join(lines) + "\n"
+
+
+def allocator_lines(a: dict[str, Any] | None) -> list[str]:
+    """The allocator's reads as a table, or the line that says why they were not timed."""
+    if not a or "skipped" in a:
+        why = a["skipped"] if a else "not run"
+        return [f"Reading the CUDA caching allocator a step: {harness.NOT_MEASURED}; this run: {why}."]
+    lines = [
+        f"Reading the CUDA caching allocator, host CPU a call ({a['gpu']}, torch {a['torch']}; "
+        f"`memory_stats()` flattens {a['keys']} keys):",
+        "",
+        "| call | us a call: median (min-max) |",
+        "| --- | --- |",
+    ]
+    for name, what in (
+        ("memory_stats", "`torch.cuda.memory_stats()`"),
+        ("memory_allocated", "`torch.cuda.memory_allocated()` (calls memory_stats())"),
+        ("memory_stats_as_nested_dict", "`torch.cuda.memory_stats_as_nested_dict()` (what the probe reads)"),
+        ("probe.read", "`CudaProbe.read()`: a step's whole reading (device free and RSS at most once a second)"),
+    ):
+        lines.append(f"| {what} | {harness.spread(a[name])} |")
+    return lines
 
 
 if __name__ == "__main__":

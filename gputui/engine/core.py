@@ -302,7 +302,7 @@ class Core:
                 self.generators.close()
                 self.checkpointing.remove()
                 self.strategy.close()
-                self.session.close_tracker()
+                self.session.close()
                 self.state.grad_norms.last()  # the last steps' norms: a skipped one is said before the end
                 self._end(error)
 

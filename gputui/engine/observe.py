@@ -199,7 +199,7 @@ class Observer:
                 hook.remove()
             self.hub.remove_sink(self)
             if self.session is not None:
-                self.session.close_tracker()
+                self.session.close()
 
     def _hide_hooks(self) -> None:
         """The script compiled something: from now on dynamo must not trace the saved-tensor hooks

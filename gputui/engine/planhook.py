@@ -117,8 +117,8 @@ class PlanningHook:
         return Setting(size, self.precision.mode, self.checkpointing.enabled)
 
     def capacity(self) -> int | None:
-        memory = self.state.memory
-        return memory.capacity if memory is not None else self.session.probe.read().capacity
+        """What the run may fill, as the probe says now (cuda.py: free + held, under the cap)."""
+        return self.session.probe.capacity()
 
     # -- at the boundary --------------------------------------------------------------------
     def asked(self, control: Control) -> bool:
@@ -184,7 +184,7 @@ class PlanningHook:
     def after_oom(self, oom: OomInfo, batch: Any) -> tuple[int, str] | None:
         """The planner's micro-batch after an OOM; None (halve) when it cannot say. Never raises: a
         planner that fails must not turn a recoverable OOM into a crash."""
-        capacity = self.session.probe.read().capacity
+        capacity = self.capacity()
         if capacity is None:  # nothing to fit in: halve
             return None
         try:

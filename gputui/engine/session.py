@@ -124,6 +124,12 @@ class RunSession:
             self.tracker.close()
             self.tracker = None
 
+    def close(self) -> None:
+        """The run is over: stop counting, and lift what the probe set for the process (a CUDA cap
+        would otherwise hold for the evaluation after fit, a second fit, the rest of the process)."""
+        self.close_tracker()
+        self.probe.close()
+
     # -- the run's two ends -----------------------------------------------------------------
     def start(self, *, mode: str, model: str, refused: dict[str, str], **fields: Any) -> RunInfo:
         """Announce the run; `refused` adds the driver's own refusals to the device's."""
@@ -147,6 +153,9 @@ class RunSession:
             **fields,
         )
         self.hub.start(info)
+        over = self.probe.over_limit
+        if over is not None:
+            self.emit("memory_limit", limit=over["limit"], reserved=over["reserved"])
         return info
 
     def end(self, summary: RunSummary) -> None:

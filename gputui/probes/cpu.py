@@ -261,6 +261,7 @@ class CpuProbe:
     """Readings for a CPU device: the tracked training state, the budget as capacity, and RSS."""
 
     name = "CPU"
+    over_limit: dict[str, int] | None = None
 
     def __init__(self, tracker: StateTracker) -> None:
         self.tracker = tracker
@@ -271,6 +272,9 @@ class CpuProbe:
 
     def allocated(self) -> int:
         return self.tracker.total
+
+    def capacity(self) -> int | None:
+        return self.tracker.budget
 
     def read(self) -> Memory:
         """The reading; the last one again while no figure changed (most steps: the same bytes, and
@@ -298,6 +302,9 @@ class CpuProbe:
     def free_cache(self) -> dict[str, Any]:
         before, after = host.release_free_memory()
         return {"bytes": before - after, "rss_before": before, "rss_after": after}
+
+    def close(self) -> None:
+        """Nothing of the process's to put back: the tracker is the session's to close."""
 
     def after_oom(self, baseline: int) -> None:
         """A failed attempt's memory goes back to glibc as its last reference goes (its frames are

@@ -13,6 +13,7 @@ from . import host
 
 class MpsProbe:
     name = "Apple MPS"
+    over_limit: dict[str, int] | None = None
 
     def __init__(self, device: torch.device, tracker: Any = None) -> None:
         self.device = device
@@ -25,12 +26,15 @@ class MpsProbe:
     def allocated(self) -> int:
         return torch.mps.current_allocated_memory()
 
+    def capacity(self) -> int | None:
+        return self.total
+
     def read(self) -> Memory:
         return Memory(
             device="mps",
             allocated=torch.mps.current_allocated_memory(),
             reserved=torch.mps.driver_allocated_memory(),
-            capacity=self.total,
+            capacity=self.capacity(),
             rss=host.rss(max_age=host.RSS_MAX_AGE),
             **(self.tracker.breakdown() if self.tracker is not None else {}),
         )
@@ -48,3 +52,6 @@ class MpsProbe:
         if torch.mps.current_allocated_memory() > baseline:
             gc.collect()
         torch.mps.empty_cache()
+
+    def close(self) -> None:
+        """No cap to lift on MPS."""

@@ -134,6 +134,11 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     "checkpointing_changed": lambda e: f"checkpointing {_on(e['enabled'])} ({e['how']})",
     "auto_recover_changed": lambda e: f"auto-recover {_on(e['enabled'])}",
     "cache_freed": _cache,
+    "memory_limit": lambda e: (
+        f"GPU memory limit {format_bytes(e['limit'])}, but {format_bytes(e['reserved'])} stays reserved by "
+        "tensors made before the run: their segments are reused past the limit, and no new one is "
+        "granted until this process holds less"
+    ),
     "paused": lambda e: "paused" + (" after an OOM" if e.get("reason") == "oom" else ""),
     "resumed": lambda e: "resumed",
     "stopped": lambda e: f"stopped ({e['reason']})",

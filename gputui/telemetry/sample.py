@@ -69,10 +69,11 @@ class Memory:
     active: int | None = None
     device_free: int | None = None
     nvml_used: int | None = None
-    """What NVML says this process holds on the device (or the device's whole "used" when
-    process figures are hidden, e.g. in a container): includes the CUDA context and memory
-    allocated outside PyTorch, which `reserved` cannot see."""
+    """What NVML says this process holds on the device: includes the CUDA context and memory
+    allocated outside PyTorch, which `reserved` cannot see. None where NVML names no such pid (in
+    a container it lists the host's pids) or hides its figure."""
     nvml_device_used: int | None = None
+    """What every process holds on the device, this one included."""
 
     @property
     def nvml_gap(self) -> int | None:
@@ -81,6 +82,13 @@ class Memory:
         if self.nvml_used is None or self.reserved is None:
             return None
         return self.nvml_used - self.reserved
+
+    @property
+    def nvml_others(self) -> int | None:
+        """What the device's other processes hold; None where this process's share is unknown."""
+        if self.nvml_used is None or self.nvml_device_used is None:
+            return None
+        return max(0, self.nvml_device_used - self.nvml_used)
 
     @property
     def cached_free(self) -> int | None:
@@ -346,6 +354,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "checkpointing_changed": ("enabled", "how"),
     "auto_recover_changed": ("enabled",),
     "cache_freed": ("bytes",),
+    "memory_limit": ("limit", "reserved"),
     "paused": (),
     "resumed": (),
     "stopped": ("reason",),

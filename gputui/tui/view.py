@@ -27,6 +27,7 @@ from .sources import Update
 
 KINDS = {
     "control_refused": "refused",
+    "memory_limit": "refused",  # the limit asked for is not what the run gets
     "oom": "oom",
     "oom_recovered": "oom",
     "thrashing": "oom",

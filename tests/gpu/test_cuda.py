@@ -20,13 +20,14 @@ from helpers import (
     plain_loop,
     twins,
 )
+from torch import nn
 
 import gputui
 from gputui.probes.cuda import CudaProbe
 from gputui.probes.nvml import NvmlPoller, cuda_to_nvml_index
 
 pytestmark = pytest.mark.gpu
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 
 
 def test_readings_match_the_allocator():
@@ -40,7 +41,8 @@ def test_readings_match_the_allocator():
     assert m.allocated == torch.cuda.memory_allocated(device)
     assert m.reserved == torch.cuda.memory_reserved(device)
     assert m.peak == torch.cuda.max_memory_allocated(device) >= 320 * MiB
-    assert m.cached_free >= 64 * MiB and m.capacity == torch.cuda.get_device_properties(device).total_memory
+    assert m.cached_free >= 64 * MiB and m.capacity == m.device_free + m.reserved  # what this process can have
+    assert m.capacity < torch.cuda.get_device_properties(device).total_memory  # the context is not ours to fill
     freed = probe.free_cache()
     assert freed["bytes"] >= 64 * MiB and freed["reserved_after"] == torch.cuda.memory_reserved(device)
     del x
@@ -234,3 +236,84 @@ def test_clipping_under_fp16_equals_torchs_amp_recipe_and_counts_the_skipped_ste
     assert [(e["at"], e["skipped"]) for e in result.events if e.name == "step_skipped"] == [(2, 1)]
     published = [n for n in (s.grad_norm for s in hub.samples()) if n is not None and math.isfinite(n)]
     assert published and all(any(math.isclose(n, e, rel_tol=1e-5) for e in expected) for n in published)
+
+
+def test_capacity_counts_what_this_process_holds_once(monkeypatch):
+    """Free + reserved: a segment this process holds is in it, and returning it to the device
+    (empty_cache) moves bytes from reserved to free without changing what the process can have."""
+    from gputui.probes import cuda
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(GiB, dtype=torch.uint8, device=device)
+    probe = CudaProbe(device)
+    before = probe.capacity()
+    free, total = torch.cuda.mem_get_info(device)
+    assert before == free + torch.cuda.memory_reserved(device) < total
+    del held
+    torch.cuda.empty_cache()
+    monkeypatch.setattr(cuda, "FREE_MAX_AGE", -1.0)  # read the device again
+    assert abs(probe.capacity() - before) <= 64 * MiB  # the driver's granularity, not the gigabyte
+
+
+def _fraction(device):
+    return torch.cuda.get_per_process_memory_fraction(device)
+
+
+def test_the_cap_is_lifted_after_fit():
+    """The fraction before fit is back after it: a tensor larger than the limit fits again."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = _fraction(device)
+    model = nn.Linear(64, 64)
+    limit = torch.cuda.memory_reserved(device) + 512 * MiB
+    seen = []
+
+    def step(model, x):
+        seen.append(_fraction(device))
+        return model(x).pow(2).mean()
+
+    data = [torch.randn(32, 64) for _ in range(3)]
+    gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.1), device=device, gpu_memory_limit=limit)
+    assert seen and all(f < before for f in seen) and _fraction(device) == before
+    big = torch.empty(limit + 256 * MiB, dtype=torch.uint8, device=device)  # past the cap fit had set
+    del big
+
+
+def test_a_real_oom_under_the_cap_after_the_cache_is_emptied(hub):
+    """A gigabyte cached before fit would be reused past the cap (the allocator checks it only for a new
+    segment): fit empties the cache, so a step needing more than the limit meets a real OOM and recovers."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cached = torch.empty(GiB, dtype=torch.uint8, device=device)
+    del cached  # reserved, free: reusable without asking the device
+    model = nn.Linear(64, 64).to(device)
+    limit = torch.cuda.memory_allocated(device) + 384 * MiB
+
+    def step(model, x):
+        scratch = torch.ones(len(x), 64 * MiB, dtype=torch.uint8, device=device)  # 64 MiB a sample
+        return model(x).pow(2).mean() + scratch[:, 0].float().mean() * 0
+
+    data = [torch.randn(8, 64) for _ in range(2)]  # 512 MiB a whole batch: past the limit
+    result = gputui.fit(
+        model, data, step, torch.optim.SGD(model.parameters(), lr=0.1), device=device, gpu_memory_limit=limit
+    )
+    assert result.ooms_recovered >= 1 and result.micro_batch < 8 and result.steps == 2
+    assert not [e for e in result.events if e.name == "memory_limit"]  # nothing live was over the cap
+
+
+def test_memory_held_past_the_cap_is_said(hub):
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    limit = torch.cuda.memory_reserved(device) + 256 * MiB
+    held = torch.empty(512 * MiB, dtype=torch.uint8, device=device)  # alive: empty_cache cannot return it
+    model = nn.Linear(64, 64)
+    data = [torch.randn(8, 64) for _ in range(2)]
+    result = gputui.fit(
+        model,
+        data,
+        lambda model, x: model(x).pow(2).mean(),
+        torch.optim.SGD(model.parameters()),
+        device=device,
+        gpu_memory_limit=limit,
+    )
+    (said,) = [e for e in result.events if e.name == "memory_limit"]
+    assert said["limit"] == limit and said["reserved"] >= limit
+    del held

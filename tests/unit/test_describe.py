@@ -15,6 +15,7 @@ EXAMPLES = {
     "checkpointing_changed": {"enabled": True, "how": "3 Block modules"},
     "auto_recover_changed": {"enabled": False},
     "cache_freed": {"bytes": 2**20, "reserved_before": 2**21, "reserved_after": 2**20},
+    "memory_limit": {"limit": 2**30, "reserved": 3 * 2**30},
     "paused": {},
     "resumed": {},
     "stopped": {"reason": "requested"},

@@ -12,7 +12,8 @@ from gputui.telemetry.sample import GpuDevice, GpuProcess, GpuReading, Memory
 
 GiB, MiB = 2**30, 2**20
 
-# The keys torch.cuda.memory_stats() returns (a subset, as recorded on a CUDA device mid-training).
+# The keys torch.cuda.memory_stats() returns (a subset, as recorded on a CUDA device mid-training);
+# the probe reads them nested, as memory_stats_as_nested_dict() gives them.
 RECORDED = {
     "active.all.current": 412,
     "active_bytes.all.current": 9 * GiB + 512 * MiB,
@@ -38,8 +39,20 @@ RECORDED = {
 }
 
 
+def nested(flat):
+    """memory_stats_as_nested_dict()'s form of a memory_stats() dict (which torch flattens from it)."""
+    out: dict = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
 def test_cuda_reading_from_recorded_stats():
-    m = memory_from_stats(RECORDED, device="cuda:0", capacity=80 * GiB, device_free=60 * GiB, rss=3 * GiB)
+    m = memory_from_stats(nested(RECORDED), device="cuda:0", capacity=80 * GiB, device_free=60 * GiB, rss=3 * GiB)
     assert (m.allocated, m.reserved, m.fragmented, m.peak) == (9 * GiB + 256 * MiB, 16 * GiB, GiB + 128 * MiB, 14 * GiB)
     assert (m.active, m.alloc_retries, m.ooms) == (9 * GiB + 512 * MiB, 3, 1)
     assert m.cached_free == 16 * GiB - (9 * GiB + 256 * MiB)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from itertools import groupby
 
 from rich.text import Text
@@ -69,10 +69,13 @@ class MemoryPanel(ChartPanel):
 
 
 def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
-    """[allocated|fragmented|cached|other|free] over the capacity, the step peak marked with ┃.
+    """[allocated|fragmented|cached|free] over the capacity, the step peak marked with ┃.
 
-    A CPU without a budget has no capacity but the machine's: the bar is then system memory,
-    with the training state, the rest of this process and the other processes in it."""
+    A caching allocator's capacity is what it may hold (on CUDA: device free + reserved, under the
+    limit), so the memory outside it (the CUDA context, other processes) is no part of the bar:
+    the figures below say what NVML knows of it. A CPU without a budget has no capacity but the
+    machine's: the bar is then system memory, with the training state, the rest of this process
+    and the other processes in it."""
     capacity = m.capacity or (host.system_total if host else None) or m.rss or m.allocated or 1
     if m.reserved is None and not m.capacity and host is not None and host.rss and host.system_used:
         state = m.allocated or 0
@@ -80,13 +83,8 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
     elif m.reserved is not None:  # a caching allocator: CUDA, MPS
         fragmented = min(m.fragmented or 0, m.cached_free or 0)
         parts = [(m.allocated or 0, ALLOCATED), (fragmented, FRAGMENTED), ((m.cached_free or 0) - fragmented, CACHED)]
-        used = m.reserved
-        if m.nvml_device_used is not None and m.nvml_device_used > used:
-            parts.append((m.nvml_device_used - used, OTHER))
-            used = m.nvml_device_used
     else:  # CPU: tracked training state within the budget (or within RSS)
         parts = [(m.params or 0, ALLOCATED), (m.optimizer or 0, CACHED), ((m.grads or 0) + (m.activations or 0), OTHER)]
-        used = m.allocated or 0
     count = max(4, width)
     cells: list[tuple[str, str]] = []
     for size, style in parts:
@@ -119,16 +117,7 @@ def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = 
         figures = [Text(f"peak {size(m.peak)}" + (f" of {size(m.capacity)}" if m.capacity else ""))]
         if long or m.alloc_retries:  # none is the usual case: a narrow panel says so only when there are
             figures.append(Text(f"retries {m.alloc_retries or 0}", style="bold red" if m.alloc_retries else ""))
-        lines = flow(entries, width) + flow([*figures, counted], width, DOT)
-        if m.nvml_gap is not None:
-            nvml = swatch(OTHER, f"NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch")
-            detail = " (CUDA context, libraries)"
-            if nvml.cell_len + len(detail) <= width:
-                nvml.append(detail)
-            lines += flow([nvml], width)
-        elif m.nvml_device_used is not None:
-            lines += flow([swatch(OTHER, f"NVML device used {size(m.nvml_device_used)} (all processes)")], width)
-        return lines
+        return flow(entries, width) + flow([*figures, counted], width, DOT) + outside_pytorch(m, width, size)
     figures = [Text(f"tracked {size(m.allocated)}")]
     if m.capacity or host is None or not host.system_total:
         acts = None if m.grads is None and m.activations is None else (m.grads or 0) + (m.activations or 0)
@@ -150,6 +139,26 @@ def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = 
         figures.append(Text(f"peak {size(m.peak)}"))
         figures.append(Text(f"system {size(host.system_used)} / {size(host.system_total)}"))
     return flow(entries, width) + flow([*figures, Text(f"OOMs {ooms}", style="bold red" if ooms else "")], width, DOT)
+
+
+def outside_pytorch(m: Memory, width: int, size: Callable[[int | None], str]) -> list[Text]:
+    """What NVML says of the memory outside the bar: this process's beyond `reserved` and the other
+    processes', where NVML names this pid; else only the device's whole "used", said to be that."""
+    if m.nvml_gap is not None:
+        nvml = Text(f"NVML {size(m.nvml_used)}: +{size(m.nvml_gap)} outside PyTorch")
+        detail = " (CUDA context, libraries)"
+        if nvml.cell_len + len(detail) <= width:
+            nvml.append(detail)
+        entries = [nvml]
+        if m.nvml_others:
+            entries.append(Text(f"other processes {size(m.nvml_others)}"))
+        return flow(entries, width, DOT)
+    if m.nvml_device_used is not None:
+        unknown = "this process's share unknown: NVML lists no memory for its pid"
+        if width < 56:
+            unknown = "own share unknown"
+        return flow([Text(f"NVML device used {size(m.nvml_device_used)}"), Text(unknown, style="dim")], width, DOT)
+    return []
 
 
 def memory_warning(m: Memory, width: int, remedies: bool = True) -> str | None:

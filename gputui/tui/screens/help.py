@@ -26,12 +26,14 @@ class HelpScreen(Overlay):
         keys.add_row("ctrl+c", "Stop after the current step, then quit (twice: quit now).")
         keys.add_row("ctrl+p", "Command palette: every action above, searchable.")
         panels = Text.from_markup(
-            "[b]Memory[/b]: the bar is the device's capacity (CUDA: total or --gpu-memory-limit; CPU: the "
-            "budget, else the machine's memory). [blue]allocated[/] = live tensors; "
-            "[cyan]reserved[/] = held by PyTorch's caching allocator (allocated + cached free); "
-            "[yellow]fragmented[/] = freed pieces of segments still in "
-            "use, which empty_cache cannot return; [magenta]other[/] = what NVML sees beyond reserved: the CUDA "
-            "context, cuBLAS/cuDNN/NCCL workspaces, other processes. ┃ marks this step's peak; a red ┃ and a "
+            "[b]Memory[/b]: the bar is the capacity, what this process can have (CUDA: the device's free "
+            "memory plus reserved, at most --gpu-memory-limit; CPU: the budget, else the machine's memory). "
+            "[blue]allocated[/] = live tensors; [cyan]reserved[/] = held by PyTorch's caching allocator "
+            "(allocated + cached free); [yellow]fragmented[/] = freed pieces of segments still in use, which "
+            "empty_cache cannot return; on a CPU [magenta]magenta[/] = gradients and activations (a budget) or "
+            "other processes (the machine). Below it, NVML: this process beyond reserved (the CUDA context, "
+            "cuBLAS/cuDNN/NCCL workspaces) and the other processes, or, where NVML lists no memory for this "
+            "pid (a container), only the device's whole used. ┃ marks this step's peak; a red ┃ and a "
             "warning mean the peak is within 10% of the capacity. retries = the allocator freed its cache to "
             "satisfy an allocation (slow, the road to an OOM).\n\n"
             "[b]Remedies[/b] apply at the next step boundary, never inside an accumulation window; the timeline "

@@ -44,6 +44,7 @@ def memory_report(v: RunView) -> Group:
     if s is None:
         return Group(Text("No step yet.", style="dim"))
     m = s.memory
+    hidden = m.nvml_used is None and m.nvml_device_used is not None  # NVML names no memory for this pid
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold", no_wrap=True)
     table.add_column(justify="right", no_wrap=True)
@@ -61,11 +62,23 @@ def memory_report(v: RunView) -> Group:
         ("fragmented", m.fragmented, "inactive split blocks: free pieces of segments still partly in use"),
         ("active", m.active, "allocated + blocks freed but not yet reusable (pending stream work)"),
         ("step peak", m.peak, "the most allocated during the last step"),
-        ("capacity", m.capacity, "device total, --gpu-memory-limit, or the CPU budget"),
+        (
+            "capacity",
+            m.capacity,
+            "what this process can have: device free + reserved (CUDA), at most --gpu-memory-limit; the CPU budget",
+        ),
         ("device free", m.device_free, "cudaMemGetInfo: free on the whole device, other processes included"),
-        ("NVML used (this process)", m.nvml_used, "what the driver charges this process"),
+        (
+            "NVML used (this process)",
+            "unknown" if hidden else m.nvml_used,
+            "NVML lists no memory for this pid (in a container it sees the host's pids): what lies outside "
+            "PyTorch and the other processes' share are unknown"
+            if hidden
+            else "what the driver charges this process",
+        ),
         ("NVML - reserved", m.nvml_gap, "CUDA context, cuBLAS/cuDNN/NCCL workspaces: outside PyTorch"),
-        ("NVML used (device)", m.nvml_device_used, "every process on the device"),
+        ("other processes", m.nvml_others, "NVML used (device) - NVML used (this process)"),
+        ("NVML used (device)", m.nvml_device_used, "every process on the device, this one included"),
         ("parameters", m.params, "CPU tracking"),
         ("gradients", m.grads, "CPU tracking (freed after each optimizer step)"),
         ("optimizer state", m.optimizer, "CPU tracking (appears at the first step)"),
@@ -74,7 +87,7 @@ def memory_report(v: RunView) -> Group:
     ]
     for name, value, meaning in rows:
         if value is not None:
-            table.add_row(name, format_bytes(value), meaning)
+            table.add_row(name, value if isinstance(value, str) else format_bytes(value), meaning)
     table.add_row(
         "alloc retries",
         format_figure(m.alloc_retries, ""),
