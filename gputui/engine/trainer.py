@@ -235,7 +235,7 @@ class Trainer:
                 self.generators.close()
                 self.checkpointing.remove()
                 self.strategy.close()
-                self.session.close_tracker()
+                self.session.close()  # the tracker, and the history this run started
                 self.session.end(self.result().summary(error))
 
     def _start(self, length: dict[str, Any]) -> None:
