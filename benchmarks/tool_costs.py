@@ -1,9 +1,9 @@
 """What gputui itself costs: CLI start, attaching to a job, an attached TUI's CPU, the socket server,
-and on CUDA reading the allocator a step.
+and on CUDA reading the allocator a step and its memory history (a step recorded, a snapshot dumped).
 
 A headless job (the tiny MLP through `gputui.fit`, as `python train.py` runs it) trains in the
 background for the attach figures. Nothing here imports torch: the attach side must not need it
-(the allocator's reads are timed in a child process).
+(the allocator's reads and the history figures are timed in child processes).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import harness
 
-FULL = {"runs": 10, "cpu_s": 10.0, "samples": 5000, "frames": 60, "reads": 2000}
-QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10, "reads": 200}
+FULL = {"runs": 10, "cpu_s": 10.0, "samples": 5000, "frames": 60, "reads": 2000, "history_steps": 50}
+QUICK = {"runs": 3, "cpu_s": 3.0, "samples": 300, "frames": 10, "reads": 200, "history_steps": 10}
 PUBLISH_HZ = 500  # a 2 ms step
 ROWS_PER_RECORD = 35  # a turn's steps (50 ms) at ~700 steps a second: the tiny MLP on one thread
 
@@ -32,6 +32,63 @@ with Connection(sys.argv[1], timeout=None) as conn:
         steps += len(record["rows"]) if record["kind"] == "steps" else 0
 print(steps)
 """
+
+
+HISTORY = """
+import json, os, pickle, sys, time
+import torch
+if not torch.cuda.is_available():
+    print(json.dumps({"skipped": sys.argv[3]}))
+    sys.exit()
+sys.path.insert(0, sys.argv[1])
+import workloads
+from gputui.probes import snapshot
+
+steps, device = int(sys.argv[2]), torch.device("cuda", torch.cuda.current_device())
+w = workloads.make("gpt", device="cuda")
+opt = w.optimizer()
+
+def step_ms(n):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        w.step(w.model, w.batches[i % len(w.batches)]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+step_ms(5)
+plain = step_ms(steps)
+snapshot.start_history(w)
+recorded = step_ms(steps)
+saved = snapshot.dump(os.path.join(sys.argv[4], "history"), device, step=steps, reason="bench")
+snapshot.stop_history(w)
+with open(saved["path"], "rb") as f:
+    entries = len(pickle.load(f)["device_traces"][device.index])
+print(json.dumps({
+    "gpu": torch.cuda.get_device_name(device), "workload": w.description, "steps": steps,
+    "max_entries": snapshot.MAX_ENTRIES, "step_ms": plain, "recorded_step_ms": recorded,
+    "dump_s": saved["seconds"], "entries": entries, "pickle_bytes": os.path.getsize(saved["path"]),
+}))
+"""
+
+
+def history_cost(device: str, steps: int, tmp: str, env: dict[str, str]) -> dict[str, Any]:
+    """On CUDA: a step of the GPT demo without and with memory history (gputui's settings: Python
+    stacks, at most MAX_ENTRIES events), and a snapshot dumped after it (seconds, entries, bytes)."""
+    if device == "cpu":
+        return {"skipped": harness.NOT_MEASURED}
+    done = subprocess.run(
+        [sys.executable, "-c", HISTORY, harness.HERE, str(steps), harness.NOT_MEASURED, tmp],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode:
+        raise RuntimeError(f"the memory history benchmark failed: {done.stderr[-1000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess]:
@@ -314,6 +371,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
         out["client"] = client_cost(sample, 10 * config["samples"])
         out["allocator"] = allocator_reads(device, config["reads"], config["runs"], env)
         print(f"tool costs: allocator reads {out['allocator'].get('skipped', 'timed')}", file=sys.stderr)
+        out["history"] = history_cost(device, config["history_steps"], tmp, env)
     return out
 
 
@@ -373,6 +431,9 @@ def markdown(r: dict[str, Any]) -> str:
             f"({c['bytes_per_step']:.0f} bytes a step on the wire).",
         ]
     lines += ["", *allocator_lines(r.get("allocator"))]
+    h = r.get("history")
+    if h:
+        lines += ["", history_line(h)]
     return "\n".join(lines) + "\n"
 
 
@@ -396,6 +457,17 @@ def allocator_lines(a: dict[str, Any] | None) -> list[str]:
     ):
         lines.append(f"| {what} | {harness.spread(a[name])} |")
     return lines
+
+
+def history_line(h: dict[str, Any]) -> str:
+    if "skipped" in h:
+        return f"CUDA memory history (`--memory-history`, `s`): {h['skipped']}."
+    return (
+        f"CUDA memory history on {h['gpu']} ({h['workload']}): a step takes {h['step_ms']:.1f} ms, "
+        f"{h['recorded_step_ms']:.1f} ms while history is recorded (Python stacks, at most "
+        f"{h['max_entries']:,} events); a snapshot dumped after {h['steps']} steps holds {h['entries']:,} "
+        f"events, {h['pickle_bytes'] / 2**20:.1f} MiB, written in **{h['dump_s']:.2f} s** on the training thread."
+    )
 
 
 if __name__ == "__main__":

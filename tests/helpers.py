@@ -322,3 +322,75 @@ def socket_of(env, pid, timeout=60):
         assert time.monotonic() < deadline, "the job never served its socket"
         time.sleep(0.05)
     return path
+
+
+GPU_STATS = {  # torch.cuda.memory_stats() keys the probe reads, as a GPU mid-run gives them
+    "allocated_bytes.all.current": 3 << 20,
+    "reserved_bytes.all.current": 8 << 20,
+    "inactive_split_bytes.all.current": 0,
+    "allocated_bytes.all.peak": 5 << 20,
+    "active_bytes.all.current": 3 << 20,
+    "num_alloc_retries": 0,
+    "num_ooms": 0,
+}
+
+
+def nested(stats: dict) -> dict:
+    """memory_stats()'s flat keys ("allocated_bytes.all.current") as memory_stats_as_nested_dict() gives them."""
+    out: dict = {}
+    for key, value in stats.items():
+        *path, last = key.split(".")
+        at = out
+        for part in path:
+            at = at.setdefault(part, {})
+        at[last] = value
+    return out
+
+
+def stand_in_gpu(monkeypatch, total: int = 8 << 30) -> None:
+    """torch.cuda's memory functions stood in for, so that gputui's CUDA code (CudaProbe, a session
+    on cuda:0) runs on this CPU as on one GPU with GPU_STATS; NVML is left out."""
+    import gputui.engine.session as session
+
+    for name, value in {
+        "get_device_name": lambda device=None: "stand-in GPU",
+        "mem_get_info": lambda device=None: (total // 2, total),
+        "memory_stats": lambda device=None: dict(GPU_STATS),
+        "memory_stats_as_nested_dict": lambda device=None: nested(GPU_STATS),
+        "get_per_process_memory_fraction": lambda device=None: 1.0,
+        "memory_allocated": lambda device=None: GPU_STATS["allocated_bytes.all.current"],
+        "memory_reserved": lambda device=None: GPU_STATS["reserved_bytes.all.current"],
+        "reset_peak_memory_stats": lambda device=None: None,
+        "set_per_process_memory_fraction": lambda fraction, device=None: None,
+        "empty_cache": lambda: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(session, "_nvml_view", lambda hub, device: None)
+
+
+class HistoryStandIn:
+    """torch's memory history and snapshot calls stood in for (a CPU build has none): what gputui asked
+    of them. `backend`: the allocator torch would say it runs; cudaMallocAsync raises as torch does."""
+
+    def __init__(self, monkeypatch, backend: str = "native") -> None:
+        self.calls: list[tuple[str | None, dict]] = []
+        self.on = False
+        self.backend = backend
+
+        def record(enabled="all", **kwargs):
+            if backend != "native":
+                raise RuntimeError(f"{backend} does not yet support recordHistory.")
+            self.calls.append((enabled, kwargs))
+            self.on = enabled is not None
+
+        def dump(path):
+            if backend != "native":
+                raise RuntimeError(f"Calling snapshot with backend:{backend} is not meaningful.")
+            with open(path, "wb") as f:
+                f.write(b"stand-in snapshot")
+
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+        monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.on, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+        monkeypatch.setattr(torch.cuda, "memory_summary", lambda device=None: "stand-in memory_summary()")
+        monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)

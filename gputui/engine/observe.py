@@ -25,6 +25,7 @@ from ..probes.tensors import top_training_tensors
 from ..telemetry.hub import Hub
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, StepRecord, StepSample, finite
+from .deferred import DeferredLoss
 from .diagnosis import remedies, user_frame
 from .fetched import Fetched
 from .oom import is_oom
@@ -42,7 +43,6 @@ class Observer:
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self.optimizer: torch.optim.Optimizer | None = None
-        self.device = torch.device("cpu")
         self.session: RunSession | None = None  # from the first optimizer on
         self.loss: float | None = None
         self.loss_source: str | None = None
@@ -50,6 +50,7 @@ class Observer:
         self.failed_in: str | None = None  # set when backward() raised
         self.amp = "off"
         self._losses: list[torch.Tensor] = []
+        self._reader: tuple[str, DeferredLoss] | None = None  # the losses' device type, their reader
         self._unscaled: dict[int, torch.Tensor] = {}
         self._printed: tuple[float, str] | None = None
         self.batches = Fetched()
@@ -240,15 +241,18 @@ class Observer:
         return [p for group in self.optimizer.param_groups for p in group["params"]] if self.optimizer else []
 
     def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        params = self._params()
-        device = params[0].device if params else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.optimizer, device = optimizer, parameters_device(optimizer)
         # The command line's settings (the hub's overrides) apply here as they do in fit.
-        self.session = RunSession(self.hub, device, tracked=params, optimizer=optimizer, defer_errors=True)
+        self.session = RunSession(self.hub, device, tracked=self._params(), optimizer=optimizer, defer_errors=True)
         self._start_step()
+
+    def _follow(self) -> RunSession:
+        """The session, on the device the parameters are on now: a script may make its optimizer
+        before model.cuda(), which moves the same parameters (the run's info, made at its first
+        step, says where it trains; a later move changes the readings)."""
+        assert self.session is not None and self.optimizer is not None
+        self.session.follow(parameters_device(self.optimizer))
+        return self.session
 
     def _start(self) -> None:
         """At the first step of the script's own loop (a fit script never gets here)."""
@@ -272,8 +276,7 @@ class Observer:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.optimizer or self.fitting:
             return
-        session = self.session
-        assert session is not None
+        session = self._follow()
         self.phase = None
         if not self._started:
             self._start()
@@ -283,7 +286,7 @@ class Observer:
         batch, epoch = self.batches.take()
         session.samples += batch
         if self._losses:
-            self.loss, self.loss_source = float(sum(t.float().sum().item() for t in self._losses)), "backward()"
+            self.loss, self.loss_source = self._read_losses(), "backward()"
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
@@ -300,6 +303,15 @@ class Observer:
         )
         self._start_step()
         self._boundary()
+
+    def _read_losses(self) -> float | None:
+        """The step's backward() losses, summed where they are and read as fit reads its loss
+        (engine/deferred.py): on CUDA a step late, never waiting for the device."""
+        device = self._losses[0].device
+        total = torch.stack([t.float().sum().to(device) for t in self._losses]).sum()
+        if self._reader is None or self._reader[0] != device.type:
+            self._reader = device.type, DeferredLoss.for_device(device)
+        return self._reader[1].put(total)
 
     def _start_step(self) -> None:
         assert self.session is not None
@@ -339,7 +351,7 @@ class Observer:
         still alive), and the remedies that fit; emitted as an event and returned."""
         where = user_frame(exc)
         phase = self.phase or self.failed_in or "forward"
-        session = self.session
+        session = self._follow() if self.session is not None else None  # an OOM in the first step, after .cuda()
         memory = session.probe.read() if session is not None else None
         top = top_training_tensors(self._params(), self.optimizer) if session is not None else {"rows": []}
         details: dict[str, Any] = {
@@ -368,6 +380,8 @@ class Observer:
             return
         if error == "interrupted":  # a Ctrl-C (or gputui's stop raising one): stopped, as fit's is
             self.stop_reason, error = self.stop_reason or "interrupted", None
+        if self.loss_source == "backward()" and self._reader is not None and error is None:
+            self.loss = self._reader[1].last()  # the run's last loss exactly, as fit returns it
         s = self.session
         s.end(
             RunSummary(
@@ -381,6 +395,12 @@ class Observer:
                 error=error,
             )
         )
+
+
+def parameters_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first parameter (CPU without one): one attribute read a step."""
+    params = next((group["params"] for group in optimizer.param_groups if group["params"]), None)
+    return params[0].device if params else torch.device("cpu")
 
 
 def _innermost_hooks() -> Any:

@@ -72,25 +72,45 @@ class RunSession:
         defer_errors: bool = False,
     ) -> None:
         o = hub.overrides
-        self.hub, self.device, self.optimizer = hub, device, optimizer
+        self.hub, self.optimizer = hub, optimizer
         self._tracked = tracked
         budget = o.memory_budget if o.memory_budget is not None else memory_budget
         self.budget = parse_size(budget) if budget is not None else None
-        limit = o.gpu_memory_limit if o.gpu_memory_limit is not None else gpu_memory_limit
+        self._limit = o.gpu_memory_limit if o.gpu_memory_limit is not None else gpu_memory_limit
         self.snapshot_dir = os.fspath(o.snapshot_dir or snapshot_dir or DEFAULT_SNAPSHOT_DIR)
-        nvml = _nvml_view(hub, device) if device.type == "cuda" else None
-        tracker = (
-            StateTracker(tracked, optimizer, self.budget) if device.type == "cpu" or self.budget is not None else None
-        )
+        history = o.memory_history if o.memory_history is not None else memory_history
+        self._history_asked = bool(history)
+        self._defer_errors = defer_errors
+        self._driver_refused: dict[str, str] = {}
+        self.tracker: StateTracker | None = None
+        self._on(device)
+        self.steps = self.samples = 0
+        self.paused = False
+        self.events: list[Event] | None = [] if keep_events else None  # fit returns them; an own loop needs none
+        self._rate = Rate()
+        self._host: HostReading | None = None
+        self._host_t = 0.0
+        self._t0 = time.monotonic()
+
+    def _on(self, device: torch.device) -> None:
+        """What depends on the device, made for `device`: the probe (with the limit), NVML's view,
+        the tracker (a CPU, or a budget), the history and what the device refuses."""
+        self.device = device
+        nvml = _nvml_view(self.hub, device) if device.type == "cuda" else None
+        tracker = self.tracker
+        if tracker is None and (device.type == "cpu" or self.budget is not None):
+            tracker = StateTracker(self._tracked, self.optimizer, self.budget)
+        elif tracker is not None and device.type != "cpu" and self.budget is None:
+            tracker.close()  # the parameters left the CPU: the allocator counts from now on
+            tracker = self.tracker = None
         self.unmet: SettingsError | None = None
         """A setting this run cannot apply, kept for later (`defer_errors`): the observer meets the
         first optimizer of a fit script too, whose model fit has yet to move to the GPU."""
+        limit = parse_size(self._limit) if self._limit is not None else None
         try:
-            self.probe: Probe = for_device(
-                device, tracker, limit=parse_size(limit) if limit is not None else None, nvml=nvml
-            )
+            self.probe: Probe = for_device(device, tracker, limit=limit, nvml=nvml)
         except ValueError as exc:
-            if not defer_errors:
+            if not self._defer_errors:
                 if tracker is not None:
                     tracker.close()
                 raise SettingsError(str(exc)) from None
@@ -101,22 +121,24 @@ class RunSession:
                 tracker.close()
             raise
         self.tracker = tracker
-        history = o.memory_history if o.memory_history is not None else memory_history
-        self.memory_history = bool(history) and snapshot.unavailable(device) is None
-        if self.memory_history:
-            snapshot.start_history()
-        self.refused: dict[str, str] = {}
         reason = snapshot.unavailable(device)
-        if reason:
-            self.refused["snapshot"] = reason
+        self.memory_history = self._history_asked and reason is None
+        if self.memory_history:
+            snapshot.start_history(self)
+        else:
+            snapshot.stop_history(self)  # the parameters left CUDA
+        self.refused = {"snapshot": reason} if reason else {}
+        if device.type != "cuda":
             self.refused["memory_summary"] = SUMMARY_NEEDS_CUDA
-        self.steps = self.samples = 0
-        self.paused = False
-        self.events: list[Event] | None = [] if keep_events else None  # fit returns them; an own loop needs none
-        self._rate = Rate()
-        self._host: HostReading | None = None
-        self._host_t = 0.0
-        self._t0 = time.monotonic()
+        self.refused.update(self._driver_refused)
+
+    def follow(self, device: torch.device) -> bool:
+        """The parameters are on `device` now (a script that made its optimizer before `.cuda()`): the
+        probe and what goes with it follow them. True if they moved."""
+        if device == self.device:
+            return False
+        self._on(device)
+        return True
 
     def close_tracker(self) -> None:
         """Stop counting (the run ended, or fit took over and counts its own)."""
@@ -125,14 +147,17 @@ class RunSession:
             self.tracker = None
 
     def close(self) -> None:
-        """The run is over: stop counting, and lift what the probe set for the process (a CUDA cap
-        would otherwise hold for the evaluation after fit, a second fit, the rest of the process)."""
+        """The run is over (ended, or gone before it began): stop counting, stop the history it started,
+        and lift what the probe set for the process (a CUDA cap would otherwise hold for the evaluation
+        after fit, a second fit, the rest of the process)."""
         self.close_tracker()
+        snapshot.stop_history(self)
         self.probe.close()
 
     # -- the run's two ends -----------------------------------------------------------------
     def start(self, *, mode: str, model: str, refused: dict[str, str], **fields: Any) -> RunInfo:
         """Announce the run; `refused` adds the driver's own refusals to the device's."""
+        self._driver_refused = dict(refused)
         self.refused.update(refused)
         params = self.parameters()
         self._t0 = time.monotonic()
@@ -150,12 +175,15 @@ class RunSession:
             optimizer=type(self.optimizer).__name__,
             memory_budget=self.budget,
             refused=dict(self.refused),
+            unreadable=dict(getattr(self.probe, "unreadable", {})),
             **fields,
         )
         self.hub.start(info)
         over = self.probe.over_limit
         if over is not None:
             self.emit("memory_limit", limit=over["limit"], reserved=over["reserved"])
+        if self._history_asked and not self.memory_history:  # said once, as a key says why it is dimmed
+            self.emit("control_refused", action="memory_history", reason=self.refused["snapshot"])
         return info
 
     def end(self, summary: RunSummary) -> None:
@@ -224,7 +252,7 @@ class RunSession:
         return True
 
     def snapshot(self, reason: str, control: Control | None = None) -> None:
-        name, details = snapshot.take(self.snapshot_dir, self.device, step=self.steps, reason=reason)
+        name, details = snapshot.take(self.snapshot_dir, self.device, self, step=self.steps, reason=reason)
         self.emit(name, control, **details)
 
     def wait_while_paused(self, apply: Callable[[], Any], stopping: Callable[[], bool]) -> None:

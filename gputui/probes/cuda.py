@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..telemetry.sample import Memory
-from . import host
+from . import allocator, host
 
 FREE_MAX_AGE = 1.0
 """Seconds a device-free reading (cudaMemGetInfo, a driver call) may be reused for."""
@@ -78,6 +78,7 @@ class CudaProbe:
         self.tracker = tracker
         self.nvml = nvml  # an NvmlView, or None
         self.name = torch.cuda.get_device_name(device)
+        self.unreadable = allocator.unreadable()  # read as 0 without being counted: left None
         self.total = torch.cuda.mem_get_info(device)[1]
         self._room = (float("-inf"), 0, 0)  # when, device free, free + reserved then
         self.limit: int | None = None
@@ -138,7 +139,7 @@ class CudaProbe:
             device_free=self._room[1],
             rss=host.rss(max_age=host.RSS_MAX_AGE),
         )
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict.fromkeys(self.unreadable)
         if self.tracker is not None:
             extra.update(self.tracker.breakdown())
         if self.nvml is not None:

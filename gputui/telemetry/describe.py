@@ -18,6 +18,7 @@ _ACTIONS = {
     "snapshot": "snapshot",
     "top_tensors": "top tensors",
     "memory_summary": "memory summary",
+    "memory_history": "memory history",  # --memory-history, refused where the allocator keeps none
     "plan": "plan",
     "pause": "pause",
     "resume": "resume",
@@ -165,7 +166,9 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     ),
     "snapshot_saved": lambda e: (
         f"memory snapshot{' at the OOM' if e.get('reason') == 'oom' else ''}: {e['path']} "
-        "(open in pytorch.org/memory_viz)" + ("" if e.get("history") else "; no history yet, recording from now on")
+        "(open in pytorch.org/memory_viz)"
+        + (f", written in {e['seconds']:.2f} s" if isinstance(e.get("seconds"), (int, float)) else "")
+        + ("" if e.get("history") else "; no history yet, recording from now on")
     ),
     "top_tensors": _top,
     "memory_summary": lambda e: "memory summary (torch.cuda.memory_summary) read",

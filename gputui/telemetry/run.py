@@ -68,6 +68,10 @@ class RunInfo:
     refused: Mapping[str, str] = field(default_factory=dict)
     """Control action -> why this run refuses it (an own loop cannot change its batch, a model
     without repeated blocks has nothing to checkpoint). Absent: the run takes it."""
+    unreadable: Mapping[str, str] = field(default_factory=dict)
+    """Memory figure -> why this run cannot read it (CUDA's `backend:cudaMallocAsync` counts no
+    fragmentation, retries or OOMs; expandable segments no fragmentation): null in every reading,
+    "n/a (why)" on the screen, never a 0 that was not counted."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -90,7 +94,7 @@ class RunInfo:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["argv"], out["refused"] = list(self.argv), dict(self.refused)
+        out["argv"], out["refused"], out["unreadable"] = list(self.argv), dict(self.refused), dict(self.unreadable)
         return out
 
     @classmethod
@@ -100,10 +104,11 @@ class RunInfo:
             if not all(isinstance(arg, str) for arg in values["argv"]):
                 raise ValueError("RunInfo.argv holds a non-string")
             values["argv"] = tuple(values["argv"])
-        if "refused" in values:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in values["refused"].items()):
-                raise ValueError("RunInfo.refused holds a non-string")
-            values["refused"] = dict(values["refused"])
+        for name in ("refused", "unreadable"):
+            if name in values:
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in values[name].items()):
+                    raise ValueError(f"RunInfo.{name} holds a non-string")
+                values[name] = dict(values[name])
         return cls(**values)
 
 
@@ -138,6 +143,7 @@ _INFO_TYPES: dict[str, Any] = {
     "memory_budget": int,
     "clip_grad_norm": NUMBER,
     "refused": dict,
+    "unreadable": dict,
 }
 
 

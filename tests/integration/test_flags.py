@@ -110,7 +110,7 @@ def test_snapshot_dir_and_memory_history_reach_both_loops(tmp_path, monkeypatch,
     history recorded from the start, are the command line's in both modes."""
     started = []
     monkeypatch.setattr(snapshot, "unavailable", lambda device: None)
-    monkeypatch.setattr(snapshot, "start_history", lambda: started.append(True))
+    monkeypatch.setattr(snapshot, "start_history", lambda owner: started.append(owner))
     monkeypatch.setattr(
         snapshot,
         "dump",

@@ -3,6 +3,8 @@ width (legends, reasons, the footer's quit), and the wide screen says more. Read
 not from what a panel would render: a panel that is never redrawn shows what it drew last."""
 
 import io
+import re
+from dataclasses import replace
 
 import pytest
 from conftest import until
@@ -13,6 +15,8 @@ from gputui.telemetry.sample import RankMemory
 from gputui.tui.app import GputuiApp
 from gputui.tui.panels.ranks import rank_lines
 from gputui.tui.ranks import Ranks
+from gputui.tui.screens.memory import memory_report
+from gputui.tui.view import RunView
 
 SIZES = [(80, 24), (120, 40), (160, 48)]
 
@@ -66,6 +70,33 @@ async def test_cuda_legends_fit(size):
     assert f"━ {'reserved' if wide else 'resv'} ━ peak ━ {'allocated' if wide else 'alloc'}" in memory.splitlines()[0]
     assert "loss ━ raw ━ smoothed" in loss.splitlines()[0]
     assert "smoothed 1.497" in loss and "min 1.435 @ 291" in loss
+
+
+@pytest.mark.parametrize(
+    "unreadable, says",
+    [
+        ({"fragmented": "expandable segments"}, ["fragmented n/a (expandable segments)", "retries 0"]),
+        (
+            dict.fromkeys(("fragmented", "alloc_retries", "ooms"), "cudaMallocAsync"),
+            ["fragmented n/a (cudaMallocAsync)", "retries n/a (cudaMallocAsync)"],
+        ),
+    ],
+)
+async def test_figures_an_allocator_does_not_count_read_na_with_why_not_zero(unreadable, says):
+    """Expandable segments count no fragmentation, cudaMallocAsync no blocks at all: the job reads
+    them as None and says why in its info (RunInfo.unreadable); the panel says n/a, never 0 B."""
+    source = cuda_run()
+    samples = [replace(s, memory=replace(s.memory, **dict.fromkeys(unreadable))) for s in source.update.samples]
+    source.update = update = replace(
+        source.update, samples=samples, info=replace(source.update.info, unreadable=unreadable)
+    )
+    memory = (await shown(source, (120, 40)))["memory"]
+    assert all(text in memory for text in says) and "fragmented 0" not in memory, memory
+    view = RunView()
+    view.apply(update)
+    report = io.StringIO()
+    Console(file=report, width=160).print(memory_report(view))  # the `m` screen
+    assert re.search(rf"fragmented +n/a \({unreadable['fragmented']}\)", report.getvalue()), report.getvalue()
 
 
 @pytest.mark.parametrize("size", SIZES)

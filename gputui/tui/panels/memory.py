@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from itertools import groupby
 
 from rich.text import Text
@@ -51,7 +51,7 @@ class MemoryPanel(ChartPanel):
             return [Text("waiting for the first step…", style="dim")]
         host = v.latest.host if v.latest else None
         lines: list[Text | Row] = [memory_bar(m, width, host)]
-        lines.extend(memory_figures(m, width, v.ooms, host))
+        lines.extend(memory_figures(m, width, v.ooms, host, v.info.unreadable if v.info else {}))
         warning = memory_warning(m, width, remedies=not v.observed)
         if warning:
             lines.extend(Text(warning, style="bold red").wrap(self.app.console, width))
@@ -101,21 +101,36 @@ def memory_bar(m: Memory, width: int, host: HostReading | None = None) -> Text:
     return text
 
 
-def memory_figures(m: Memory, width: int, ooms: int, host: HostReading | None = None) -> list[Text]:
+def memory_figures(
+    m: Memory, width: int, ooms: int, host: HostReading | None = None, unreadable: Mapping[str, str] | None = None
+) -> list[Text]:
     """The bar's legend with its figures, then the peak and counters, each wrapped between entries
-    to the panel's width: short labels and sizes below 56 columns, the details that fit above."""
+    to the panel's width: short labels and sizes below 56 columns, the details that fit above.
+    A figure in `unreadable` (RunInfo's: the allocator does not count it) reads "n/a (why)", not 0."""
     long = width >= 56
     size = format_bytes if long else format_bytes_short
+    unread = unreadable or {}
+
+    def na(name: str) -> str:
+        return f"n/a ({unread[name]})" if long else "n/a"
+
     oom_count = max(ooms, m.ooms or 0)
     counted = Text(f"OOMs {oom_count}", style="bold red" if oom_count else "")
     if m.reserved is not None:
         entries = [
             swatch(ALLOCATED, f"{'allocated' if long else 'alloc'} {size(m.allocated)}"),
             swatch(CACHED, f"{'reserved' if long else 'resv'} {size(m.reserved)}"),
-            swatch(FRAGMENTED, f"{'fragmented' if long else 'frag'} {size(m.fragmented)}"),
+            swatch(
+                FRAGMENTED,
+                f"{'fragmented' if long else 'frag'} "
+                + (na("fragmented") if "fragmented" in unread else size(m.fragmented)),
+            ),
         ]
         figures = [Text(f"peak {size(m.peak)}" + (f" of {size(m.capacity)}" if m.capacity else ""))]
-        if long or m.alloc_retries:  # none is the usual case: a narrow panel says so only when there are
+        if "alloc_retries" in unread:
+            if long:
+                figures.append(Text(f"retries {na('alloc_retries')}", style="dim"))
+        elif long or m.alloc_retries:  # none is the usual case: a narrow panel says so only when there are
             figures.append(Text(f"retries {m.alloc_retries or 0}", style="bold red" if m.alloc_retries else ""))
         return flow(entries, width) + flow([*figures, counted], width, DOT) + outside_pytorch(m, width, size)
     figures = [Text(f"tracked {size(m.allocated)}")]

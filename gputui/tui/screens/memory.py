@@ -85,12 +85,15 @@ def memory_report(v: RunView) -> Group:
         ("saved activations", m.activations, "CPU tracking (freed by backward)"),
         ("RSS", m.rss, "this process's resident memory (host)"),
     ]
+    unread = v.info.unreadable if v.info is not None else {}
     for name, value, meaning in rows:
-        if value is not None:
+        if name in unread:  # the allocator in use reads it as 0 without counting it
+            table.add_row(name, f"n/a ({unread[name]})", f"{meaning}: not counted by this allocator")
+        elif value is not None:
             table.add_row(name, value if isinstance(value, str) else format_bytes(value), meaning)
     table.add_row(
         "alloc retries",
-        format_figure(m.alloc_retries, ""),
+        f"n/a ({unread['alloc_retries']})" if "alloc_retries" in unread else format_figure(m.alloc_retries, ""),
         "the allocator freed its cache to satisfy a request: slow, a warning sign",
     )
     table.add_row("OOMs", str(v.ooms), "seen in this run (recovered or not)")
