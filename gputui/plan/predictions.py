@@ -135,8 +135,9 @@ class Predictions:
         return {"parameters": self._params[0], "gradients": self._params[1], "optimizer": self._state[1]}
 
     def _bytes(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Their storages on the device (not an optimizer's step counts kept on the host), as blocks."""
-        here = [t for t in tensors if t.device.type == self.device.type]
+        """Their storages on the device (not an optimizer's step counts kept on the host), as blocks; of a
+        sharded tensor (FSDP2's DTensor), this rank's shard."""
+        here = [_local(t) for t in tensors if t.device.type == self.device.type]
         return sum(map(self._blocks, storage_bytes(here).values()))
 
     def untraceable(self, setting: Setting) -> str | None:
@@ -208,3 +209,9 @@ class Predictions:
         except Later:
             raise Later(lo) from None
         return lo
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (FSDP2's DTensor), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
