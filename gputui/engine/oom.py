@@ -15,21 +15,63 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
+from .result import FitError
+
 # Errors that are out-of-memory in all but type: cuBLAS/cuDNN, the MPS backend and the CPU
 # allocator raise plain RuntimeErrors when memory cannot be had.
 _OOM_TEXTS = (
     "out of memory",
     "can't allocate memory",  # the CPU allocator
-    "CUDNN_STATUS_NOT_SUPPORTED",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
 )
+CUDNN_NOT_SUPPORTED = "CUDNN_STATUS_NOT_SUPPORTED"
+NEAR_FULL = 0.9
+"""cuDNN's NOT_SUPPORTED is an OOM only with this share of what the process can have reserved."""
 
 
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXTS)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    if CUDNN_NOT_SUPPORTED in text:
+        return cuda_nearly_full()
+    return any(t in text for t in _OOM_TEXTS)
+
+
+def cuda_nearly_full() -> bool:
+    """cuDNN says NOT_SUPPORTED when no algorithm's workspace can be had, and as well when it has no kernel
+    for a configuration (a dtype, a layout, a shape too large for its indexing): only the first comes with
+    memory near full. Near: reserved within 10 % of what this process can have (what it reserves and what
+    the device has free, or less under a cap), read while the failed step's tensors are still held."""
+    if not torch.cuda.is_initialized():
+        return False
+    device = torch.cuda.current_device()
+    reserved = torch.cuda.memory_reserved(device)
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except RuntimeError:  # a context the error left unusable: nothing to recover
+        return False
+    can_have = reserved + free
+    capped = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.7
+    fraction = capped(device) if capped is not None else 1.0
+    if fraction < 1:
+        can_have = min(can_have, int(fraction * total))
+    return reserved >= NEAR_FULL * can_have
+
+
+def cudnn_error(exc: BaseException) -> FitError | None:
+    """The FitError a step raises for cuDNN's NOT_SUPPORTED that is not an out-of-memory (is_oom said no:
+    memory is far from full), which halving would only walk down to one sample; None for any other error."""
+    if not (isinstance(exc, RuntimeError) and CUDNN_NOT_SUPPORTED in str(exc)):
+        return None
+    return FitError(
+        "cuDNN has no kernel for this configuration (CUDNN_STATUS_NOT_SUPPORTED with memory far from full, so "
+        "not an out-of-memory): a dtype, layout or size it does not support, or a non-contiguous input; "
+        f"torch.backends.cudnn.enabled = False runs the step without cuDNN [{str(exc).strip().splitlines()[0]}]"
+    )
 
 
 def drop(exc: BaseException) -> str:

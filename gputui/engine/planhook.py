@@ -206,11 +206,14 @@ class PlanningHook:
         """The step just measured against its prediction; near capacity, a table is made ahead."""
         planner = self.get()
         setting, shape = self.setting(), self.state.shapes
-        breakdown = {
-            "parameters": memory.params or 0,
-            "gradients": memory.params or 0,  # every trainable parameter has one at the peak
-            "optimizer": memory.optimizer or 0,
-        }
+        if memory.params is None:  # a CUDA reading has the allocator's totals only
+            breakdown = planner.predictions.held_state()
+        else:
+            breakdown = {
+                "parameters": memory.params,
+                "gradients": memory.params,  # every trainable parameter has one at the peak
+                "optimizer": memory.optimizer or 0,
+            }
         breakdown["activations"] = max(0, (memory.peak or 0) - sum(breakdown.values()))
         planner.step_measured(setting, shape, memory.peak, breakdown)
         if planner.near_capacity(setting, shape, memory.peak, memory.capacity) and not planner.pending:

@@ -18,7 +18,7 @@ from ..probes.cpu import StateTracker
 from ..step.checkpointing import Checkpointing
 from ..step.microbatch import shapes, tensors, to_device, token_weighted
 from ..step.pieces import Progress, run_pieces
-from ..step.precision import Precision
+from ..step.precision import Precision, unfused_fix
 from .deferred import DeferredLoss
 from .oom import Buffers
 from .result import FitError
@@ -67,6 +67,7 @@ class Runner:
         self.grad_norm: torch.Tensor | None = None
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
+        self._said_fused = False  # the fp16 scaler's wait for the GPU: said once a run
 
     # -- a try at a global batch ------------------------------------------------------------
     def start(self, batch: Any, size: int) -> None:
@@ -146,6 +147,8 @@ class Runner:
         self.norm = None
         scaler = self.precision.scaler
         if scaler is not None:
+            if not self._said_fused:
+                self._say_fused()
             scaler.unscale_(self.optimizer)  # the norm and the clip are the true gradients' (step() will not again)
         self.norm = self.clip_norm()
         if scaler is not None:
@@ -212,6 +215,14 @@ class Runner:
                 "the loss returned by step() does not require grad: was it computed under "
                 "torch.no_grad(), or are all parameters frozen?"
             )
+
+    def _say_fused(self) -> None:
+        """Once a run, at fp16's first step: its scaler waits for the GPU each step with this optimizer,
+        and the one-line fix where the optimizer has a fused mode."""
+        self._said_fused = True
+        fix = unfused_fix(self.optimizer, self.device)
+        if fix is not None:
+            self.session.emit("fused_hint", optimizer=type(self.optimizer).__name__, fix=fix)
 
     def _say_split(self, batch: Any, size: int) -> None:
         """Once a run each, the first time a batch is cut: what micro-batching changes for BatchNorm, and

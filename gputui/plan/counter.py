@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 
+from ..probes.cpu import state_tensors
 from ..step.pieces import Progress
-from . import private
+from . import blocks, private
 from .prediction import Untraceable
-
-CUDA_BLOCK = 512
-"""The CUDA caching allocator rounds every block up to this many bytes (max_memory_allocated counts blocks)."""
 
 
 class Counter(private.DispatchMode):
@@ -32,7 +30,7 @@ class Counter(private.DispatchMode):
         self.device = device
         self.watch = watch  # each tensor seen (the Guard's)
         self.fake, self.fake_type = fake, fake_type  # the trace's fake of a real tensor the step brings
-        self.block = CUDA_BLOCK if device.type == "cuda" else 1
+        self.blocks = blocks.rounding(device)  # a storage's bytes as the device's allocator counts them
         self.at = Progress()  # the step's phase, moved by run_pieces
         self.live: dict[int, int] = {}
         self.total = 0
@@ -44,7 +42,7 @@ class Counter(private.DispatchMode):
         self.grads_seen: set[int] = set()  # parameters whose gradient this step is counted
         self.saved: dict[int, int] = {}  # storages autograd keeps for backward, alive
         self.saved_bytes = 0
-        self.optimizer_bytes: Callable[[], int] = lambda: 0
+        self.optimizer: torch.optim.Optimizer | None = None  # whose state counts as "optimizer"
         self.values_read = 0  # .item() and bool() of a tensor, answered with a stand-in
         self.holds: list[Any] = []  # finalizers, gradient hooks: what ties the copy to this counter
 
@@ -65,12 +63,19 @@ class Counter(private.DispatchMode):
         key = private.storage_key(storage)
         if key in self.live:
             return
-        size = -(-storage.nbytes() // self.block) * self.block
+        size = self.blocks(storage.nbytes())
         self.live[key] = size
         self.total += size
         self.holds.append(weakref.finalize(storage, self._free, key))
         if self.total > self.peak:
             self._new_peak()
+
+    def optimizer_bytes(self) -> int:
+        return 0 if self.optimizer is None else self.held(state_tensors(self.optimizer))
+
+    def held(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The counted bytes of the live storages under `tensors`, each once."""
+        return sum(self.live.get(key, 0) for key in storage_bytes(tensors))
 
     def _free(self, key: int) -> None:
         self.total -= self.live.pop(key, 0)
@@ -101,7 +106,7 @@ class Counter(private.DispatchMode):
         """A parameter's gradient accumulated: counted once a step."""
         if id(p) not in self.grads_seen and p.grad is not None:
             self.grads_seen.add(id(p))
-            self.gradients += p.grad.numel() * p.grad.element_size()
+            self.gradients += self.blocks(p.grad.numel() * p.grad.element_size())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is private.LOCAL_SCALAR and not private.is_constant(args[0]):

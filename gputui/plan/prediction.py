@@ -13,11 +13,12 @@ PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 class Prediction:
     """One step's predicted peak under one setting.
 
-    `peak`: bytes of every storage on the device alive at once at the step's worst moment (what a GPU's
-    caching allocator must hold: compare with `max_memory_allocated`, less what the script holds outside
-    the step). `tracked_peak`: the same step as gputui's CPU tracker counts it (parameters, gradients,
-    optimizer state and the activations saved for backward; no temporaries), which is what a CPU memory
-    budget is checked against. `breakdown`: what was alive at `peak`, by PARTS.
+    `peak`: bytes of every storage on the device alive at once at the step's worst moment, each counted as
+    the device's allocator counts it (on CUDA the caching allocator's block, blocks.py: compare with
+    `max_memory_allocated`, less what the script holds outside the step). `tracked_peak`: the same step as
+    gputui's CPU tracker counts it (parameters, gradients, optimizer state and the activations saved for
+    backward; no temporaries), which is what a CPU memory budget is checked against.
+    `breakdown`: what was alive at `peak`, by PARTS.
     """
 
     peak: int

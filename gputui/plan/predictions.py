@@ -5,13 +5,16 @@ largest micro-batch predicted to fit, found in a few of them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..probes.cpu import state_tensors
 from . import trace
+from .blocks import rounding
+from .counter import storage_bytes
 from .prediction import Prediction, Unsafe, Untraceable, estimate, line
 from .table import Setting
 
@@ -64,6 +67,9 @@ class Predictions:
         self._breakdown: dict[str, int] | None = None  # a measured step's, for estimates
         self._measured_setting: Setting | None = None
         self._entries = len(optimizer.state)  # the optimizer's state entries at the last measured step
+        self._blocks = rounding(device)
+        self._params: tuple[int, int] | None = None  # the parameters' bytes, the trainable ones'
+        self._state = (-1, 0)  # the optimizer's state: (entries, bytes) when last counted
 
     def state_dict(self, cache: bool = False) -> dict[str, Any]:
         """What this run learnt of its step, as plain data (a checkpoint loads it with weights_only): the
@@ -142,6 +148,25 @@ class Predictions:
         self._cache[key] = prediction
         return prediction
 
+    def held_state(self) -> dict[str, int]:
+        """Parameters, their gradients and the optimizer's state as the device's allocator holds them, each
+        storage once: what an estimate keeps fixed, for a reading with totals only (CUDA's allocator). The
+        gradients are the trainable parameters' (all there at the peak). The parameters are counted once a
+        run, the state again when its entries change."""
+        if self._params is None:
+            params = list(self.model.parameters())
+            self._params = (self._bytes(params), self._bytes([p for p in params if p.requires_grad]))
+        entries = len(self.optimizer.state)
+        if entries != self._state[0]:
+            self._state = (entries, self._bytes(state_tensors(self.optimizer)))
+        return {"parameters": self._params[0], "gradients": self._params[1], "optimizer": self._state[1]}
+
+    def _bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Their storages on the device (not an optimizer's step counts kept on the host), as blocks; of a
+        sharded tensor (FSDP2's DTensor), this rank's shard."""
+        here = [_local(t) for t in tensors if t.device.type == self.device.type]
+        return sum(map(self._blocks, storage_bytes(here).values()))
+
     def untraceable(self, setting: Setting) -> str | None:
         """Why `setting`'s step cannot be traced, if it cannot."""
         return self._untraceable.get((setting.amp, setting.checkpointing))
@@ -211,3 +236,9 @@ class Predictions:
         except Later:
             raise Later(lo) from None
         return lo
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (FSDP2's DTensor), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

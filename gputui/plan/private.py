@@ -10,6 +10,7 @@ and their exit handlers), which a run that never traces should not pay.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +57,15 @@ def is_constant(t: torch.Tensor) -> bool:
 def fake_mode_of(t: torch.Tensor) -> Any:
     """The fake tensor mode a fake tensor belongs to; None for any other tensor."""
     return vars(t).get("fake_mode")
+
+
+def allocator_settings() -> str:
+    """The caching allocator's settings as the process set them (PYTORCH_ALLOC_CONF, or its CUDA name, or
+    set at run time); a torch without the accessor has only the environment's."""
+    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if read is not None:
+        return str(read())
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 def fake_tensor_mode() -> Any:

@@ -158,13 +158,13 @@ class _Trace:
                 for t in [*self.params, *model.buffers(), *state_tensors(optimizer), *tensors(batch)]:
                     if isinstance(t, torch.Tensor):
                         counter.add(t)
-                counter.optimizer_bytes = functools.partial(_state_bytes, optimizer)
-                counter.fixed = counter.total - counter.optimizer_bytes()
-                counter.fixed -= sum(storage_bytes(_on(self.device, tensors(batch))).values())
+                counter.optimizer = optimizer
+                on_device = _on(self.device, tensors(batch))
+                counter.fixed = counter.total - counter.optimizer_bytes() - counter.held(on_device)
                 for p in self.params:
                     if p.requires_grad:
                         counter.holds.append(p.register_post_accumulate_grad_hook(counter.grad_arrived))
-                self.tracked.optimizer = counter.optimizer_bytes()
+                self.tracked.optimizer = _state_bytes(optimizer)
                 # Before the optimizer's first step its state is made at the step's end; from the second step
                 # on it is held throughout, which is the peak a run has to fit: both steps are traced then.
                 for _ in range(1 if optimizer.state else 2):

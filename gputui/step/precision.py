@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from ..telemetry.controls import AMP_MODES
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+WAITING_DEVICES = frozenset({"cuda"})
+"""Where reading a tensor's value (.item()) waits for the device's queued work."""
 
 
 _OFF = contextlib.nullcontext()  # reusable: one made at each step's forward costs a call
@@ -60,3 +63,20 @@ class Precision:
 
     def autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.mode)
+
+
+def unfused_fix(optimizer: torch.optim.Optimizer, device: torch.device) -> str | None:
+    """Under fp16, GradScaler.step() reads whether any gradient overflowed with .item() (`_maybe_opt_step`),
+    so each step waits for the GPU, unless the optimizer unscales and skips inside its own step
+    (`_step_supports_amp_scaling`: torch's fused ones, which GradScaler hands the scale and the overflow flag
+    as tensors). The one-line fix for an optimizer whose class has that mode and was made without it; None
+    where there is none to give. The optimizer is the script's: never rebuilt here."""
+    if device.type not in WAITING_DEVICES or getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    cls = type(optimizer)
+    try:
+        accepts = "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read
+        return None
+    where = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
+    return f"{where}.{cls.__qualname__}(..., fused=True)" if accepts else None

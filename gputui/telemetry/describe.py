@@ -160,6 +160,11 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         f"count them with fit(..., {e['fix']}) ([:, 1:] as a causal LM's loss, which skips each sequence's "
         "first label; without it for a model that does not shift its labels)"
     ),
+    "fused_hint": lambda e: (
+        f"fp16: the GradScaler waits for the GPU once a step (it reads whether a gradient overflowed) because "
+        f"{e['optimizer']} was made without fused=True; {e['fix']} unscales and skips inside its step, without "
+        "the wait"
+    ),
     "thrashing": lambda e: (
         f"allocator retried for {e['steps']} steps in a row ({e['alloc_retries']} retries): "
         f"micro-batch {e['micro_batch']} -> {e['micro_batch_to']} before an OOM"

@@ -363,6 +363,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "step_skipped": ("at", "skipped"),
     "batch_norm_micro_batched": ("layers", "micro_batch", "batch_size"),
     "items_hint": ("why", "fix", "micro_batch"),
+    "fused_hint": ("optimizer", "fix"),
     "thrashing": ("alloc_retries", "steps", "micro_batch", "micro_batch_to", "accumulation"),
     "snapshot_saved": ("path", "summary_path", "reason"),
     "top_tensors": ("rows", "total_bytes", "tensors"),

@@ -28,6 +28,7 @@ EXAMPLES = {
         "fix": 'items=lambda batch: (batch["labels"] != -100).sum()',
         "micro_batch": 4,
     },
+    "fused_hint": {"optimizer": "AdamW", "fix": "torch.optim.AdamW(..., fused=True)"},
     "thrashing": {"alloc_retries": 6, "steps": 3, "micro_batch": 8, "micro_batch_to": 4, "accumulation": 2},
     "snapshot_saved": {"path": "/tmp/s.pickle", "summary_path": "/tmp/s.txt", "reason": "requested"},
     "top_tensors": {"rows": [ROW], "total_bytes": 16384, "tensors": 2},

@@ -76,7 +76,6 @@ def test_runtime_errors_that_mean_oom_are_recovered_others_are_not():
     for text in (
         "CUDA error: out of memory",
         "MPS backend out of memory (MPS allocated: 1 GB)",
-        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
         "DefaultCPUAllocator: can't allocate memory",
     ):
         assert is_oom(RuntimeError(text))
@@ -88,6 +87,46 @@ def test_runtime_errors_that_mean_oom_are_recovered_others_are_not():
     assert result.ooms_recovered == 1
     with pytest.raises(ValueError, match="not memory"):
         gputui.fit(model, conv_batches(2, 4), FailOn({1}, exc=lambda: ValueError("not memory")), sgd(model))
+
+
+CUDNN = "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+
+
+def cuda_memory(monkeypatch, reserved, free, fraction=1.0, total=100):
+    """Stand-ins for the CUDA readings taken when cuDNN says NOT_SUPPORTED (no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+
+
+@pytest.mark.parametrize(
+    ("reserved", "free", "fraction"),
+    [(95, 5, 1.0), (45, 50, 0.5)],  # near what the device has; near a cap of half of it
+)
+def test_cudnn_not_supported_with_memory_near_full_is_recovered_as_an_oom(monkeypatch, reserved, free, fraction):
+    cuda_memory(monkeypatch, reserved, free, fraction)
+    model = ConvNet()
+    step = FailOn({1}, exc=lambda: RuntimeError(CUDNN))
+    result = gputui.fit(model, conv_batches(2, 4), step, sgd(model))
+    assert result.ooms_recovered == 1 and result.steps == 2 and step.sizes[:2] == [4, 2]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_cudnn_not_supported_with_memory_far_from_full_is_the_error_it_is(hub, monkeypatch, cuda):
+    """A configuration cuDNN has no kernel for: halving it down to one sample would say "not even one
+    sample fits", which is not what happened."""
+    cuda_memory(monkeypatch, reserved=60, free=40, fraction=0.9)  # 60 of 90: far from it
+    if not cuda:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    model = ConvNet()
+    step = FailOn({1}, exc=lambda: RuntimeError(CUDNN))
+    with pytest.raises(gputui.FitError, match=r"^cuDNN has no kernel for this configuration") as info:
+        gputui.fit(model, conv_batches(2, 4), step, sgd(model))
+    assert str(info.value).endswith(f"[{CUDNN}]")  # cuDNN's own line, and the error it was the cause
+    assert isinstance(info.value.__cause__, RuntimeError) and step.sizes == [4]
+    assert not [e for e in hub.events() if e.name in ("oom_recovered", "oom")]
 
 
 def test_floor_at_micro_batch_one_ends_the_run_with_a_clear_error(hub):

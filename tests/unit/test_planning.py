@@ -11,6 +11,7 @@ from torch.nn import functional as F
 import gputui
 from gputui.plan import planner as planning
 from gputui.plan import predict
+from gputui.probes.cpu import state_tensors, tensor_bytes
 
 
 class Wide(nn.Module):
@@ -233,3 +234,44 @@ def test_a_setting_that_cannot_be_traced_leaves_the_others_exact(hub):
     assert not exact["amp", "bf16"] and not exact["amp", "fp16"]
     amp = next(o for o in plan["options"] if o["remedy"] == "amp")
     assert "depends on the data" in amp["reason"]
+
+
+def test_an_estimate_from_a_reading_with_totals_only_keeps_the_training_state_fixed(hub, monkeypatch):
+    """A CUDA reading has the allocator's totals, no breakdown: the parameters, gradients and optimizer
+    state are counted from their storages, so an estimate (a step that cannot be traced) scales only the
+    rest with the micro-batch, not the whole peak."""
+    import dataclasses
+
+    import gputui.engine.session as session
+
+    real = session.for_device
+
+    def totals_only(device, tracker, **kwargs):  # as CudaProbe reads: no params, grads, optimizer
+        probe = real(device, tracker, **kwargs)
+        read = probe.read
+        probe.read = lambda: dataclasses.replace(read(), params=None, grads=None, optimizer=None, activations=None)
+        return probe
+
+    monkeypatch.setattr(session, "for_device", totals_only)
+
+    def masked(model, batch):  # a shape from the data: no trace, estimates
+        x, y = batch
+        keep = y >= 0
+        return step(model, (x[keep], y[keep]))
+
+    model, opt = warmed()
+    hub.add_sink(RequestAt(hub, 2, "plan"))
+    result = gputui.fit(model, batches(4), masked, opt, memory_budget=64 * 2**20, micro_batch=32)
+    plan = [e for e in result.events if e.name == "plan"][-1]
+    rows = {o["remedy"]: o for o in plan["options"]}
+    params = tensor_bytes(model.parameters())
+    state = tensor_bytes(state_tensors(opt))
+    now, halve = rows["now"], rows["halve"]
+    assert not now["exact"] and not halve["exact"]
+    for row in (now, halve):
+        fixed = {k: row["breakdown"][k] for k in ("parameters", "gradients", "optimizer")}
+        assert fixed == {"parameters": params, "gradients": params, "optimizer": state}
+    # what moves with the micro-batch is what the measured peak held beyond the state
+    measured = [s.memory.peak for s in hub.samples() if s.step == 2][0]
+    assert now["breakdown"]["activations"] == measured - 2 * params - state
+    assert halve["breakdown"]["activations"] == now["breakdown"]["activations"] // 2

@@ -18,7 +18,7 @@ import torch
 from ...step.pieces import Progress
 from ...telemetry.hub import Hub
 from ..boundary import Boundary
-from ..oom import Buffers, Generators, OomInfo, drop, is_oom
+from ..oom import Buffers, Generators, OomInfo, cudnn_error, drop, is_oom
 from ..recovery import MAX_RETRIES, Recovery
 from ..result import Agreed, Failure, FitError
 from ..runner import Runner
@@ -290,7 +290,7 @@ class Ddp:
         except Exception as exc:
             if is_oom(exc):
                 return self.recovery.caught(exc, at.phase, size)
-            message = str(exc)
+            message = str(cudnn_error(exc) or exc)
             if d.ours and "find_unused_parameters" in message:  # DDP's advice names a constructor fit called
                 from .wrapper import UNUSED
 

@@ -10,7 +10,7 @@ import torch
 
 from ...step.pieces import Progress
 from ..boundary import Boundary
-from ..oom import Buffers, Generators, OomInfo, is_oom
+from ..oom import Buffers, Generators, OomInfo, cudnn_error, is_oom
 from ..recovery import Recovery
 from ..result import FitError
 from ..runner import Runner
@@ -91,9 +91,12 @@ class Single:
             at.phase = "optimizer"
             runner.optimizer_step()
         except Exception as exc:
-            if not is_oom(exc):
+            if is_oom(exc):
+                return self.recovery.caught(exc, at.phase, size)
+            error = cudnn_error(exc)
+            if error is None:
                 raise
-            return self.recovery.caught(exc, at.phase, size)
+            raise error from exc
         assert loss_sum is not None  # the batch had at least one piece with items
         runner.done(loss_sum, len(pieces))
         return None
