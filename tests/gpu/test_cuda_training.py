@@ -82,6 +82,12 @@ def cap(model: nn.Module, batch, make_optimizer, fraction: float, **settings) ->
     return torch.cuda.memory_reserved() + int(fraction * added)
 
 
+def growing(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of a quarter of BATCH, then `steps` whole ones: the run's first OOM comes once
+    its optimizer, scaler and generators have moved on from where they started."""
+    return [(x[: BATCH // 4], y[: BATCH // 4]) for x, y in data(steps)] + data(steps)
+
+
 def trained_sizes(hub, result) -> list[int]:
     """The micro-batch each step of `result`'s run trained at, from the steps it published."""
     return [s.micro_batch for s in hub.samples()[-result.steps :]]
@@ -110,20 +116,20 @@ def plain_loop(model, batches, optimizer, sizes, amp):
 
 
 def test_fp16_replay_after_a_real_oom_trains_the_weights_a_plain_loop_does(hub):
-    """The failed attempt scaled its loss and began its backward through the run's GradScaler: the
-    replay's scale, found-inf checks and Adam's state must be as if it never ran."""
+    """The failed attempt, in step 3, scaled its loss and began its backward through the run's GradScaler:
+    the replay's scale, found-inf checks and Adam's state must be as if it never ran."""
     model = net().cuda()
     ref = copy.deepcopy(model)
-    batches = data(4)
+    batches = growing()
 
     def adam(m):
         return torch.optim.Adam(m.parameters(), lr=1e-3)
 
-    limit = cap(model, batches[0], adam, 0.6, amp="fp16")
+    limit = cap(model, batches[-1], adam, 0.6, amp="fp16")
     result = gputui.fit(model, batches, step, adam(model), device="cuda", amp="fp16", gpu_memory_limit=limit)
     sizes = trained_sizes(hub, result)
     assert result.steps == 4 and result.ooms_recovered >= 1, (result.ooms_recovered, sizes)
-    assert min(sizes) < BATCH
+    assert sizes[:2] == [BATCH // 4] * 2 and sizes[2] < BATCH, sizes  # the first OOM in step 3
 
     torch.cuda.set_per_process_memory_fraction(1.0)
     plain_loop(ref, batches, adam(ref), sizes, "fp16")
@@ -132,21 +138,21 @@ def test_fp16_replay_after_a_real_oom_trains_the_weights_a_plain_loop_does(hub):
 
 def test_checkpointing_replays_the_cuda_generator_after_a_real_oom(hub):
     """Dropout draws from the CUDA generator in the forward; checkpointing's recompute draws the same
-    masks again. After an OOM mid-step the replay must start from the step's generator state: its
+    masks again. After an OOM in step 3 the replay must start from that step's generator state: its
     weights equal those of a run that never ran out, trained step by step at the same micro-batches."""
     model = net(dropout=0.3).cuda()
     ref = copy.deepcopy(model)
-    batches = data(4)
+    batches = growing()
 
     def sgd(m):
         return torch.optim.SGD(m.parameters(), lr=0.05)
 
-    limit = cap(model, batches[0], sgd, 0.6, checkpointing=True)
+    limit = cap(model, batches[-1], sgd, 0.6, checkpointing=True)
     torch.manual_seed(7)
     result = gputui.fit(model, batches, step, sgd(model), device="cuda", checkpointing=True, gpu_memory_limit=limit)
     sizes = trained_sizes(hub, result)
     assert result.steps == 4 and result.ooms_recovered >= 1, (result.ooms_recovered, sizes)
-    assert result.checkpointing
+    assert sizes[:2] == [BATCH // 4] * 2 and sizes[2] < BATCH and result.checkpointing, sizes
 
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.manual_seed(7)
