@@ -23,8 +23,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from harness import ROOT
+
 PACKAGES = ("torch", "nvidia-ml-py", "psutil", "pytest", "pytest-timeout", "textual", "numpy", "transformers")
 SIGNATURES = (
     "torch.cuda.memory._record_memory_history",
