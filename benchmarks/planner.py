@@ -209,7 +209,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
     cases = models("cpu")
     t0 = time.perf_counter()
     from gputui import plan
-    from gputui.engine import planning
+    from gputui.plan import planner as planning
 
     first = cases[0][1]()  # the first prediction of a process imports and warms the fake-tensor machinery
     plan.predict(first[0], torch.optim.AdamW(first[0].parameters()), first[1], first[2])

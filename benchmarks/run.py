@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+import gpu_check
 import harness
 
 BENCHMARKS = {
@@ -48,12 +49,6 @@ def machine(device: str) -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    commit = (
-        subprocess.run(
-            ["git", "-C", harness.ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True
-        ).stdout.strip()
-        or None
-    )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
@@ -64,7 +59,7 @@ def machine(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "gputui": gputui.__version__,
-        "commit": commit,
+        "commit": gpu_check.commit(),
         "device": device,
         "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
     }
@@ -195,6 +190,19 @@ def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str)
     return "\n".join(lines)
 
 
+def write(out: str, results: dict[str, Any], m: dict[str, Any], quick: bool) -> str:
+    """results.json and RESULTS.md of the benchmarks run so far (RESULTS.md keeps its GPU check section,
+    which benchmarks/gpu_check.py writes); returns the headline."""
+    head = headline(results, m)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"machine": m, "quick": quick, "headline": head, "results": results}, f, indent=1)
+    path = os.path.join(out, "RESULTS.md")
+    text = markdown(results, m, quick, head) + "\n" + gpu_check.kept_section(path)
+    with open(path, "w") as f:
+        f.write(text)
+    return head
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short runs, written to a temp dir unless --out is given")
@@ -217,11 +225,7 @@ def main() -> int:
             results[name] = run_one(name, args.quick, device, tmp)
             if "error" in results[name]:
                 print(f"   failed: {results[name]['error'][-500:]}", file=sys.stderr)
-    head = headline(results, m)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"machine": m, "quick": args.quick, "headline": head, "results": results}, f, indent=1)
-    with open(os.path.join(out, "RESULTS.md"), "w") as f:
-        f.write(markdown(results, m, args.quick, head))
+            head = write(out, results, m, args.quick)  # after each: a run cut short keeps what it got
     print(f"{head}\nwrote {os.path.join(out, 'RESULTS.md')} and results.json", file=sys.stderr)
     return 1 if any("error" in r for r in results.values()) else 0
 

@@ -1,0 +1,226 @@
+"""On a real GPU, under real OOMs (a cap below the whole batch's step): a replayed step trains as if
+its failed attempt never ran, under fp16's GradScaler and with dropout drawing from the CUDA
+generator through checkpointing's recompute; micro_batch="auto" picks a size that trains without an
+OOM; and a step of fit synchronises with the device no more often than a plain loop's.
+
+Run through the device tool when a GPU is lent: `pytest -m gpu tests/gpu` (benchmarks/gpu_check.py).
+"""
+
+import copy
+import gc
+import warnings
+from itertools import pairwise
+
+import pytest
+import torch
+from helpers import assert_same_weights
+from torch import nn
+from torch.nn import functional as F
+
+import gputui
+from gputui.telemetry import hub as hubs
+
+pytestmark = pytest.mark.gpu
+FEATURES, CLASSES, BATCH = 256, 10, 4096
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.linear(x)))
+
+
+def net(dropout: float = 0.0, width: int = 1024, blocks: int = 6) -> nn.Module:
+    """Linear layers only (cuBLAS gives the same bits for the same shapes), blocks in an nn.Sequential
+    (checkpointing finds them); small weights, large activations at BATCH."""
+    torch.manual_seed(0)
+    body = nn.Sequential(*(Block(width, dropout) for _ in range(blocks)))
+    return nn.Sequential(nn.Linear(FEATURES, width), body, nn.Linear(width, CLASSES))
+
+
+def data(steps: int, size: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(size, FEATURES, generator=g), torch.randint(CLASSES, (size,), generator=g)) for _ in range(steps)
+    ]
+
+
+def step(model: nn.Module, batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+@pytest.fixture(autouse=True)
+def whole_device():
+    """Each test ends with the whole device and an empty cache: a cap or cached blocks left behind
+    would change the next test's room."""
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def cap(model: nn.Module, batch, make_optimizer, fraction: float, **settings) -> int:
+    """A gpu_memory_limit that leaves room for `fraction` of what one step of the whole batch adds
+    (under `settings`), measured by a fit of a copy of the model (on the device) into a hub of its own."""
+    probe = copy.deepcopy(model)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    previous = hubs.current()
+    hubs.install(hubs.Hub())
+    try:
+        gputui.fit(probe, [batch], step, make_optimizer(probe), device="cuda", **settings)
+    finally:
+        hubs.install(previous)
+    added = torch.cuda.max_memory_allocated() - before  # fit resets the peak at each step: this one's
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() + int(fraction * added)
+
+
+def growing(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of a quarter of BATCH, then `steps` whole ones: the run's first OOM comes once
+    its optimizer, scaler and generators have moved on from where they started."""
+    return [(x[: BATCH // 4], y[: BATCH // 4]) for x, y in data(steps)] + data(steps)
+
+
+def trained_sizes(hub, result) -> list[int]:
+    """The micro-batch each step of `result`'s run trained at, from the steps it published."""
+    return [s.micro_batch for s in hub.samples()[-result.steps :]]
+
+
+def plain_loop(model, batches, optimizer, sizes, amp):
+    """The reference: each batch in pieces of the size fit trained it at, each piece's loss weighted by
+    its share, under autocast and through a GradScaler of its own for fp16; no OOM, no gputui."""
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
+    for batch, size in zip(batches, sizes, strict=True):
+        batch = tuple(t.cuda() for t in batch)
+        total = len(batch[0])
+        pieces = list(zip(*(t.split(size) for t in batch), strict=True))
+        for piece in pieces:
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                loss = step(model, piece)
+            loss = loss * (len(piece[0]) / total) if len(pieces) > 1 else loss
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_fp16_replay_after_a_real_oom_trains_the_weights_a_plain_loop_does(hub):
+    """The failed attempt, in step 3, scaled its loss and began its backward through the run's GradScaler:
+    the replay's scale, found-inf checks and Adam's state must be as if it never ran."""
+    model = net().cuda()
+    ref = copy.deepcopy(model)
+    batches = growing()
+
+    def adam(m):
+        return torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    limit = cap(model, batches[-1], adam, 0.6, amp="fp16")
+    result = gputui.fit(model, batches, step, adam(model), device="cuda", amp="fp16", gpu_memory_limit=limit)
+    sizes = trained_sizes(hub, result)
+    assert result.steps == 4 and result.ooms_recovered >= 1, (result.ooms_recovered, sizes)
+    assert sizes[:2] == [BATCH // 4] * 2 and sizes[2] < BATCH, sizes  # the first OOM in step 3
+
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    plain_loop(ref, batches, adam(ref), sizes, "fp16")
+    assert_same_weights(model, ref, atol=0, rtol=0)
+
+
+def test_checkpointing_replays_the_cuda_generator_after_a_real_oom(hub):
+    """Dropout draws from the CUDA generator in the forward; checkpointing's recompute draws the same
+    masks again. After an OOM in step 3 the replay must start from that step's generator state: its
+    weights equal those of a run that never ran out, trained step by step at the same micro-batches."""
+    model = net(dropout=0.3).cuda()
+    ref = copy.deepcopy(model)
+    batches = growing()
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05)
+
+    limit = cap(model, batches[-1], sgd, 0.6, checkpointing=True)
+    torch.manual_seed(7)
+    result = gputui.fit(model, batches, step, sgd(model), device="cuda", checkpointing=True, gpu_memory_limit=limit)
+    sizes = trained_sizes(hub, result)
+    assert result.steps == 4 and result.ooms_recovered >= 1, (result.ooms_recovered, sizes)
+    assert sizes[:2] == [BATCH // 4] * 2 and sizes[2] < BATCH and result.checkpointing, sizes
+
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.manual_seed(7)
+    optimizer = sgd(ref)
+    for batch, size in zip(batches, sizes, strict=True):  # one fit a step: each at its own micro-batch
+        gputui.fit(ref, [batch], step, optimizer, device="cuda", checkpointing=True, micro_batch=size)
+    assert_same_weights(model, ref, atol=0, rtol=0)
+
+
+def test_auto_micro_batch_trains_under_a_cap_without_an_oom(hub):
+    model = net().cuda()
+    batches = data(3)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05)
+
+    limit = cap(model, batches[0], sgd, 0.35)
+    result = gputui.fit(model, batches, step, sgd(model), device="cuda", micro_batch="auto", gpu_memory_limit=limit)
+    events = [(e.name, dict(e.details)) for e in hub.events()]
+    assert result.steps == 3 and result.ooms_recovered == 0, events
+    assert not [name for name, _ in events if name == "oom"], events
+    # The whole batch needs about three times the room: the pick is below it, and not needlessly small.
+    assert BATCH // 8 <= result.micro_batch < BATCH, (result.micro_batch, events)
+
+
+def synchronisations(loop) -> list[int]:
+    """How many synchronising CUDA calls each step of `loop` made (sync debug mode "warn": one warning
+    each). `loop(batches)` trains on the batches it is given; a step runs between two batches drawn."""
+    counts: list[int] = []
+
+    def counted(batches):
+        for batch in batches:
+            counts.append(len(caught))
+            yield batch
+        counts.append(len(caught))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loop(counted)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [b - a for a, b in pairwise(counts)]
+
+
+def test_sync_debug_mode_warnings_are_seen():
+    """The counting below can see a synchronisation at all."""
+    assert synchronisations(lambda counted: [torch.ones(1, device="cuda").item() for _ in counted([1, 2])]) == [1, 1]
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_a_step_of_fit_synchronises_no_more_than_a_plain_loops(amp, hub):
+    """Batches from the host, as a DataLoader without pinned memory gives them. A plain loop's step
+    copies them in (and with fp16, GradScaler.step reads found_inf): fit's may do that, nothing more.
+    The first two steps (lazy initialisation) are left out of both."""
+    batches = data(8, BATCH // 8)
+
+    def adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    ref = net(dropout=0.1).cuda()
+    plain = synchronisations(
+        lambda counted: plain_loop(ref, counted(batches), adamw(ref), [BATCH // 8] * len(batches), amp)
+    )
+    model = net(dropout=0.1).cuda()
+    ours = synchronisations(
+        lambda counted: gputui.fit(model, counted(batches), step, adamw(model), device="cuda", amp=amp)
+    )
+    assert len(plain) == len(ours) == 8
+    assert max(ours[2:]) <= max(plain[2:]), (ours, plain)
