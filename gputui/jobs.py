@@ -136,7 +136,9 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     argv = list(info.argv if info else ()) or hello.get("argv") or ["?"]
     latest = welcome.latest
     summary = hello.get("summary")
-    state = RunSummary.from_json(summary).outcome if summary else "training" if info else "starting"
+    state = RunSummary.from_json(summary).outcome if summary else "starting" if info is None else "training"
+    if state == "training" and hello.get("idle_since"):  # the script works outside a step (evaluates, saves)
+        state = "between"
     data: dict[str, Any] = {
         "pid": job.pid,
         "script": os.path.basename(argv[0]),
@@ -238,7 +240,9 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
     action, value = parse_ctl(words)
     with connect(job, control=True) as conn:
         try:
-            ended = (conn.welcome().hello or {}).get("summary")
+            welcome = conn.welcome()
+            hello = welcome.hello or {}
+            ended = hello.get("summary")
             if ended is not None:
                 out.write(_ended(job, ended) + "\n")
                 return 1
@@ -246,13 +250,21 @@ def ctl(job: Job, words: list[str], *, timeout: float, out: TextIO) -> int:
             if action == "stop":  # applied after the current step; the job then ends
                 out.write(f"job {job.pid}: stop requested; it stops after the current step\n")
                 return 0
-            answer = wait_for_answer(conn, ack["request_id"], timeout)
+            idle = hello.get("idle_since")
+            answer = {"kind": "idle", "since": idle} if idle else wait_for_answer(conn, ack["request_id"], timeout)
         except (OSError, ProtocolError) as exc:
             raise _failed(job, exc) from None
     if answer is None:
         out.write(
             f"job {job.pid}: requested, not applied within {timeout:g} s (a long step, or paused "
             "waiting elsewhere?); it applies at the next step boundary\n"
+        )
+        return 1
+    if answer["kind"] == "idle":  # no step boundary until the script trains again (a fit call, trainer.step())
+        after = f"after step {welcome.latest.step}, " if welcome.latest is not None else ""
+        out.write(
+            f"job {job.pid}: between steps ({after}{time.time() - answer['since']:.0f} s outside a step): "
+            "requested; it applies when training resumes\n"
         )
         return 1
     if answer["kind"] != "event":

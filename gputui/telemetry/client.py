@@ -345,9 +345,10 @@ class Mirror:
 
 
 def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[str, Any] | None:
-    """Read records until the event that answers `request_id`, or what says it never will: the run's
-    `end` record (a request is over with its run), or `{"kind": "closed"}` (the job closed the connection
-    without one); None after `timeout` s."""
+    """Read records until the event that answers `request_id`, or what says it will not soon: the run's
+    `end` record (a request is over with its run), an `idle` one (the script left its steps: the request
+    waits for the next), or `{"kind": "closed"}` (the job closed the connection without one); None after
+    `timeout` s."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         conn.settimeout(left)
@@ -357,6 +358,9 @@ def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[s
             return None
         if record is None:
             return {"kind": "closed"}
-        if record["kind"] == "end" or (record["kind"] == "event" and record.get("request_id") == request_id):
+        kind = record["kind"]
+        if kind == "end" or (kind == "idle" and record.get("since")):
+            return record
+        if kind == "event" and record.get("request_id") == request_id:
             return record
     return None

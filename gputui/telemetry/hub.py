@@ -179,6 +179,16 @@ class Hub:
         while self._closers:
             self._closers.pop()()
 
+    def tell(self, sink: Sink, method: str, arg: Any) -> None:
+        """Call one sink as every sink is called (a failure drops it and is said once); nothing if the
+        hub dropped it already."""
+        if sink not in self._sinks:
+            return
+        try:
+            getattr(sink, method)(arg)
+        except SinkFailed as failure:
+            self._failed(sink, failure)
+
     def _call(self, method: str, arg: Any) -> None:
         for sink in self._sinks:
             try:

@@ -72,12 +72,12 @@ class MetricsSink:
         if self.file is not None:
             self.hub.add_sink(self.file)
             if self.hub.info is not None and self.hub.summary is None:  # a run going on: this file's first line
-                self.file.on_start(self.hub.info)
+                self.hub.tell(self.file, "on_start", self.hub.info)
 
     def end(self, summary: RunSummary) -> None:
         """This run's part ended: the file's last line (the process's run goes on; continuity.py)."""
         if self.file is not None:
-            self.file.on_end(summary)
+            self.hub.tell(self.file, "on_end", summary)
 
     def __exit__(self, *exc: object) -> None:
         if self.file is not None:
