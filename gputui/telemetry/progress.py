@@ -127,6 +127,8 @@ class ProgressLine:
             return
         if event.name == "plan" and not event.get("complete", True):  # its rows still coming: the whole table once
             return
+        if event.name == "run_continued" and self._info is not None:  # "step N/M": the run's new total
+            self._info = self._info.continued(event.details)
         if event.name == "part_ended":  # the script works on outside a step: its last step stays on screen
             self._last_line()
             self._first = True

@@ -198,3 +198,38 @@ def test_a_reader_that_closes_the_pipe_gets_no_traceback(tmp_path):
     )
     os.close(write)
     assert done.returncode == 1 and done.stderr == ""
+
+
+def test_two_fit_calls_are_one_run_in_the_metrics_file(tmp_path):
+    path = script(
+        tmp_path,
+        """
+        import gputui, torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = [(torch.randn(8, 16), torch.randint(2, (8,))) for _ in range(3)]
+
+        def step(model, batch):
+            return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+        first = gputui.fit(model, data, step, opt)
+        print("evaluating between the calls")
+        second = gputui.fit(model, data[:2], step, opt)
+        print("calls", first.steps, second.steps)
+    """,
+    )
+    metrics = tmp_path / "m.jsonl"
+    done = gputui("run", "--headless", "--metrics", metrics, path)
+    assert done.returncode == 0, done.stderr
+    assert "calls 3 2" in done.stdout and "step 5/5 |" in done.stdout
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    kinds = [x["kind"] for x in lines]
+    assert kinds.count("start") == 1 and kinds[0] == "start" and lines[0]["total_steps"] == 3
+    assert [x["step"] for x in lines if x["kind"] == "step"] == [1, 2, 3, 4, 5]
+    (continued,) = [x for x in lines if x.get("name") == "run_continued"]
+    assert continued["total_steps"] == 5 and continued["step"] == 3
+    assert kinds.count("end") == 1 and kinds[-1] == "end"
+    assert (lines[-1]["steps"], lines[-1]["samples"], lines[-1]["error"]) == (5, 40, None)

@@ -101,6 +101,25 @@ def test_progress_plain_lines_when_not_a_terminal(hub):
     assert lines[-2].startswith("step 3/3") and lines[-1].startswith("gputui: done: 3 steps, 12 samples")
 
 
+def test_a_second_fit_call_counts_on_to_the_runs_new_total(hub):
+    out = io.StringIO()
+    hub.add_sink(ProgressLine(out))
+    model = ConvNet()
+    for n in (3, 2):
+        gputui.fit(model, conv_batches(n, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1))
+    hub.finish()
+    lines = out.getvalue().splitlines()
+    assert [x for x in lines if x.startswith("gputui: training")] == [lines[0]]
+    assert [x.split(" | ")[0] for x in lines if x.startswith("step ")] == [
+        "step 1/3",
+        "step 3/3",
+        "step 4/5",
+        "step 5/5",
+    ]
+    assert "gputui: step 3 | training goes on (5 steps in all)" in lines
+    assert lines[-1].startswith("gputui: done: 5 steps, 20 samples")
+
+
 class Tty(io.StringIO):
     def isatty(self):
         return True

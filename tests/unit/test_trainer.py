@@ -1,0 +1,221 @@
+"""gputui.Trainer: the script's own loop with gputui's step. It trains as a plain full-batch loop would
+(token-weighted micro-batches, OOM replay), resumes from its state_dict() as if never stopped, and says
+when a stop was asked for so the loop can leave."""
+
+import copy
+
+import pytest
+import torch
+from helpers import (
+    RequestAt,
+    TokenModel,
+    assert_same_tensors,
+    assert_same_weights,
+    count_tokens,
+    halving_only,
+    own_process,
+    padded_batches,
+    padded_step,
+    plain_loop,
+)
+
+import gputui
+from gputui.engine.trainer import STATE_VERSION
+
+BUDGET = "64KiB"  # a whole batch of 8 does not fit (with the momentum buffers): step 1 halves it to 4
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # momentum: optimizer state to resume
+
+
+def recording(step, losses):
+    """`step`, keeping each loss it returns (the plain loop's, one per global batch)."""
+
+    def record(model, batch):
+        loss = step(model, batch)
+        losses.append(float(loss.detach()))
+        return loss
+
+    return record
+
+
+def plain(batches):
+    """The reference: a plain full-batch loop's weights and losses."""
+    torch.manual_seed(0)
+    model, losses = TokenModel(), []
+    plain_loop(model, batches, recording(padded_step, losses), sgd)
+    return model, losses
+
+
+def train(model, batches, **options):
+    opt = sgd(model)
+    with gputui.Trainer(model, opt, padded_step, items=count_tokens, **options) as trainer:
+        return [trainer.step(batch) for batch in batches]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"micro_batch": 2}, {"memory_budget": BUDGET}],
+    ids=["micro_batch", "budget_ooms"],
+)
+def test_an_own_loop_trains_to_the_plain_full_batch_loop(options, monkeypatch):
+    halving_only(monkeypatch)
+    batches = padded_batches(4, 8, seed=2)
+    ref, losses = plain(batches)
+    torch.manual_seed(0)
+    model = TokenModel()
+    results = train(model, batches, **options)
+    assert_same_weights(model, ref)
+    # read after the loop: each result keeps its own step's loss, not the last one's
+    assert [r.loss for r in results] == pytest.approx(losses, rel=1e-5)
+    assert [r.steps for r in results] == [1, 2, 3, 4]
+    assert all(r.trained and r.stopped is None for r in results)
+    ooms = [r.ooms_recovered for r in results]
+    if "memory_budget" in options:
+        assert ooms == [1, 0, 0, 0], "the budget must force an OOM for this test to mean anything"
+        assert [r.micro_batch for r in results] == [4, 4, 4, 4]
+    else:
+        assert ooms == [0, 0, 0, 0] and [r.micro_batch for r in results] == [2, 2, 2, 2]
+
+
+def test_the_loss_is_read_when_asked_a_float_equal_to_the_plain_loops():
+    batches = padded_batches(2, 4)
+    _, losses = plain(batches)
+    torch.manual_seed(0)
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step, micro_batch=2, items=count_tokens) as trainer:
+        first = trainer.step(batches[0])
+        assert type(first.loss) is float and first.loss == pytest.approx(losses[0], rel=1e-6)
+        second = trainer.step(batches[1])
+    assert second.loss == pytest.approx(losses[1], rel=1e-6) and first.loss == pytest.approx(losses[0], rel=1e-6)
+    assert first.grad_norm is None  # no clip_grad_norm: no norm computed
+    text = repr(second)
+    assert text.startswith("StepResult(steps=2, loss=") and f"loss={second.loss}" in text and "stopped=None" in text
+
+
+# -- resume -------------------------------------------------------------------------------------------
+
+
+def test_three_steps_saved_and_three_resumed_equal_six_straight(hub, tmp_path, monkeypatch):
+    halving_only(monkeypatch)
+    batches = padded_batches(6, 8, seed=3)
+    ref, losses = plain(batches)
+    path = tmp_path / "checkpoint.pt"
+    with own_process():  # the run that saved: another process, before this one
+        torch.manual_seed(0)
+        model = TokenModel()
+        opt = sgd(model)
+        with gputui.Trainer(model, opt, padded_step, items=count_tokens, memory_budget=BUDGET, steps=6) as t:
+            first = [t.step(b) for b in batches[:3]]
+            state = t.state_dict()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "trainer": state}, path)
+    assert first[0].ooms_recovered > 0 and first[-1].micro_batch == 4, "the budget must find a micro-batch"
+
+    saved = torch.load(path, weights_only=True)
+    model = TokenModel()
+    model.load_state_dict(saved["model"])
+    opt = sgd(model)
+    opt.load_state_dict(saved["optimizer"])
+    with gputui.Trainer(model, opt, padded_step, items=count_tokens, memory_budget=BUDGET, steps=6) as t:
+        t.load_state_dict(saved["trainer"])
+        resumed = [t.step(b) for b in batches[3:]]
+    assert_same_weights(model, ref)
+    assert [r.loss for r in first + resumed] == pytest.approx(losses, rel=1e-5)
+    assert [r.steps for r in resumed] == [4, 5, 6]
+    assert [r.micro_batch for r in resumed] == [4, 4, 4] and sum(r.ooms_recovered for r in resumed) == 0
+    assert [s.step for s in hub.samples()] == [4, 5, 6]
+    assert hub.info.total_steps == 6
+    assert not [e for e in hub.events() if e.name in ("oom", "oom_recovered")]
+    assert t.result().steps == 3 and t.result().samples == 24  # the resumed part's own figures
+
+
+def test_steps_is_the_start_records_total(hub):
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step, steps=6) as trainer:
+        trainer.step(padded_batches(1, 4)[0])
+    assert hub.info.total_steps == 6 and hub.info.model == "TokenModel"
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ([1, 2], "load_state_dict() takes what Trainer.state_dict() returned, got list"),
+        ({"steps": 3, "version": STATE_VERSION + 1}, f"this state_dict is version {STATE_VERSION + 1}; gputui reads"),
+        ({"steps": 3}, "this state_dict is version None; gputui reads"),
+    ],
+)
+def test_a_bad_state_is_a_one_line_error(state, message):
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+        with pytest.raises(ValueError) as caught:
+            trainer.load_state_dict(state)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_a_load_after_a_step_is_a_one_line_error():
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+        trainer.step(padded_batches(1, 4)[0])
+        state = trainer.state_dict()
+        with pytest.raises(ValueError, match=r"^load_state_dict\(\) must come before the first trainer.step\(\)$"):
+            trainer.load_state_dict(state)
+
+
+# -- stop, close, errors ------------------------------------------------------------------------------
+
+
+def test_a_stop_asked_during_a_step_is_said_by_its_result_and_the_next_step_refuses(hub):
+    batches = padded_batches(3, 4)
+    hub.add_sink(RequestAt(hub, 2, "stop"))  # asked as step 2 publishes: during step 2
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+        first, second = trainer.step(batches[0]), trainer.step(batches[1])
+        assert first.stopped is None and second.stopped == "requested"
+        assert second.trained and second.steps == 2 and second.loss is not None
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(gputui.FitError, match=r"asked to stop \(requested\).*leave the loop"):
+            trainer.step(batches[2])
+    assert_same_tensors(model.state_dict(), before, atol=0, rtol=0)
+    assert [s.step for s in hub.samples()] == [1, 2]
+    assert [e.name for e in hub.events()].count("stopped") == 1
+
+
+def test_a_stop_queued_before_a_step_leaves_it_untrained(hub):
+    batches = padded_batches(2, 4)
+    model = TokenModel()
+    with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+        trainer.step(batches[0])
+        before = copy.deepcopy(model.state_dict())
+        hub.controls.request("stop")
+        result = trainer.step(batches[1])
+    assert result.trained is False and result.stopped == "requested" and result.loss is None
+    assert result.steps == 1
+    assert_same_tensors(model.state_dict(), before, atol=0, rtol=0)
+    assert [s.step for s in hub.samples()] == [1]
+
+
+def test_a_step_after_the_block_is_an_error():
+    model = TokenModel()
+    batch = padded_batches(1, 4)[0]
+    with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+        trainer.step(batch)
+    with pytest.raises(gputui.FitError, match="after the trainer was closed"):
+        trainer.step(batch)
+    closed = gputui.Trainer(model, sgd(model), padded_step)
+    closed.close()
+    with pytest.raises(gputui.FitError, match="after the trainer was closed"):
+        closed.step(batch)
+
+
+def test_an_error_in_the_block_ends_the_run_with_an_error_and_propagates(hub):
+    model = TokenModel()
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        with gputui.Trainer(model, sgd(model), padded_step) as trainer:
+            trainer.step(padded_batches(1, 4)[0])
+            raise RuntimeError("evaluation broke")
+    errors = [e for e in hub.events() if e.name == "error"]
+    assert [e["message"] for e in errors] == ["RuntimeError: evaluation broke"]
+    assert hub.summary is None  # the process's run ends with the script
+    hub.finish()
+    assert hub.summary.error == "RuntimeError: evaluation broke" and hub.summary.steps == 1
