@@ -235,7 +235,8 @@ if mode == "lingers":  # the run is over, the script goes on (evaluating, saving
         ("dies", "job {pid} ended before applying it (the connection closed without its final record)"),
         (
             "lingers",
-            "job {pid}: between steps (after step 1, {idle} s outside a step): requested; it applies when training resumes",
+            "job {pid}: between steps (after step 1, {idle} s outside a step): "
+            "requested; it applies when training resumes",
         ),
     ],
 )
