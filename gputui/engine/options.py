@@ -82,10 +82,11 @@ class FitOptions:
             raise TypeError(f"items must be a function items(batch) -> count, got {type(self.items).__name__}")
         clip = self.clip_grad_norm
         if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip <= math.inf
         ):
             raise ValueError(
-                f"clip_grad_norm must be a positive number (the largest gradient norm) or None, got {clip!r}"
+                f"clip_grad_norm must be a positive number (the largest gradient norm; inf: measure it, never "
+                f"clip) or None, got {clip!r}"
             )
         if self.micro_batch != "auto":
             positive("micro_batch", self.micro_batch)

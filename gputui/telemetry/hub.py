@@ -136,6 +136,8 @@ class Hub:
         with self._lock:
             self._events.append(event)
             self._emitted += 1
+            if event.name == "run_continued" and self.info is not None:  # another fit call, the same run
+                self.info = self.info.continued(event.details)
         self._call("on_event", event)
 
     def end(self, summary: RunSummary) -> None:

@@ -89,9 +89,6 @@ class RunView:
     plans: int = 0  # plan events seen
     evals_seen: int = 0  # eval events seen
     _filling: Entry | None = None  # the timeline's line of a plan still coming in (the next event replaces it)
-    # The source's info as last taken: the hub keeps the info its run started with, so the same one
-    # polled again is no news (self.info may be what `run_continued` events made of it since).
-    _given: RunInfo | None = None
 
     # -- folding updates ------------------------------------------------------------------------
     def apply(self, update: Update) -> bool:
@@ -104,8 +101,8 @@ class RunView:
             self._new_run(update.runs)
             self.series.load(update.history or {})
             changed = True
-        if update.info is not None and (update.info is not self._given or self.info is None):
-            self.info = self._given = update.info
+        if update.info is not None and update.info is not self.info:  # a run_continued event's too (hub.emit)
+            self.info = update.info
             self.auto_recover = update.info.auto_recover
             changed = True
         for sample in update.samples:
@@ -168,7 +165,7 @@ class RunView:
             self.evals_seen += 1
         elif e.name == "signalled":
             self.signalled = str(e["reason"])
-        elif e.name == "run_continued" and self.info is not None:
+        elif e.name == "run_continued" and self.info is not None:  # as the hub does (a view fed events alone)
             self.info = self.info.continued(e.details)
             self.auto_recover = self.info.auto_recover
         elif (

@@ -80,8 +80,8 @@ def test_ooms_replay_the_step_and_clip_it_once(hub, monkeypatch):
     assert [s.step for s in hub.samples()] == [1, 2, 3, 4]  # a record (and a norm) a trained step
 
 
-def test_without_a_clip_the_norm_is_still_measured_and_the_gradient_kept(hub, tmp_path):
-    """No clip: the plain loop's weights; each step's norm in the metrics file too."""
+def test_an_infinite_clip_measures_the_norm_and_keeps_the_gradient(hub, tmp_path):
+    """clip_grad_norm=inf: the plain loop's weights; each step's norm in the metrics file too."""
     batches = token_batches(3, 8)
     ref, model = twins(TokenModel)
     expected = []
@@ -92,14 +92,21 @@ def test_without_a_clip_the_norm_is_still_measured_and_the_gradient_kept(hub, tm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     path = tmp_path / "metrics.jsonl"
-    gputui.fit(model, batches, token_step, sgd(model), micro_batch=4, metrics=path)
+    gputui.fit(model, batches, token_step, sgd(model), micro_batch=4, metrics=path, clip_grad_norm=math.inf)
     assert_same_weights(model, ref)
     steps = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "step"]
     assert [r["grad_norm"] for r in steps] == pytest.approx(expected, rel=1e-5)
     assert published_norms(hub) == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("clip", [0, -1.0, math.nan, math.inf, True, "1.0"])
+def test_without_a_clip_no_norm_is_measured(hub):
+    """The default run pays no read of every gradient: no norm in its records."""
+    model = TokenModel()
+    gputui.fit(model, token_batches(2, 8), token_step, sgd(model))
+    assert [s.grad_norm for s in hub.samples()] == [None, None]
+
+
+@pytest.mark.parametrize("clip", [0, -1.0, math.nan, -math.inf, True, "1.0"])
 def test_a_clip_that_is_no_positive_number_is_one_clear_error(clip):
     model = TokenModel()
     with pytest.raises(ValueError, match=r"^clip_grad_norm must be a positive number .* or None, got "):
