@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 started, since = time.perf_counter(), step  # the next ms/step leaves evaluation and saving out
         if step != saved:
             save()
-    print(f"done: {step} steps, best val loss {best:.4f}")
+    print(f"done: {step} steps, best val loss {best:.4f}" if best < math.inf else f"done: {step} steps, not evaluated")
 
 
 if __name__ == "__main__":
