@@ -184,7 +184,10 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         + (f" ({e['total_steps']} steps in all)" if e.get("total_steps") else "")
         + (f", micro-batch {e['micro_batch']}" if e.get("micro_batch") else "")
     ),
-    "part_ended": lambda e: f"{e['by']} returned after {e['steps']} steps ({e['samples']} samples)",
+    "part_ended": lambda e: (
+        f"{'fit returned' if e['by'] == 'fit' else str(e['by']) + ' closed'} after {e['steps']} steps "
+        f"({e['samples']} samples)"
+    ),
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
     "eval": _eval,
     "signalled": lambda e: f"{e['reason']}: finishing the current step, then the script",

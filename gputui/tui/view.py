@@ -263,7 +263,8 @@ class RunView:
             )
         return (
             "Training is running. Stop after the current step and quit?",
-            "the script's code after fit() still runs: your save happens",
+            "the script's code after the step still runs (fit() returns; a Trainer loop sees `stopped`): "
+            "your save happens",
         )
 
     @property
