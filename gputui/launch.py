@@ -177,7 +177,7 @@ def run_script(
         if observer is not None:
             observer.finish(failure)
         if observe is not None:
-            observe.finish(failure)  # the run fit or a Trainer started ends with the script
+            observe.finish()  # the run fit or a Trainer started ends with the script
 
 
 def detach_from_terminal() -> None:

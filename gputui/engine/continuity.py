@@ -71,7 +71,7 @@ class Carried:
         if self.started is not None:
             return False
         self.started = time.monotonic()
-        hub.on_finish(lambda failure: self._finish(hub, failure))
+        hub.on_finish(lambda: self._finish(hub))
         return True
 
     def keep(
@@ -85,13 +85,12 @@ class Carried:
         self.ooms_recovered += summary.ooms_recovered
         self._summary, self._error = summary, error
 
-    def _finish(self, hub: Hub, failure: str | None) -> None:
+    def _finish(self, hub: Hub) -> None:
         """The script ended: the run's end record, with the process's totals."""
         last = self._summary
         if last is None:
             return
         elapsed = time.monotonic() - (self.started or time.monotonic())
-        error = self._error or (failure if failure and not self.stop_reason else None)
         hub.end(
             replace(
                 last,
@@ -101,7 +100,7 @@ class Carried:
                 ooms_recovered=self.ooms_recovered,
                 stopped=self.stop_reason,
                 elapsed_s=round(elapsed, 3),
-                error=error,
+                error=self._error,
             )
         )
 

@@ -81,7 +81,7 @@ class Hub:
         self.info: RunInfo | None = None
         self.summary: RunSummary | None = None
         self._closers: list[Callable[[], None]] = []
-        self._finishers: list[Callable[[str | None], None]] = []
+        self._finishers: list[Callable[[], None]] = []
         self.runs = 0
         self.ended: list[tuple[RunInfo, RunSummary]] = []  # every run's start and end records, in order
         self.saved: dict[str, int] = {}  # path -> bytes: what gputui.save wrote, for the closing summary
@@ -161,17 +161,17 @@ class Hub:
         a second of them per reading, not one per step."""
         self.gpus = reading
 
-    def on_finish(self, finisher: Callable[[str | None], None]) -> None:
-        """Call `finisher(failure)` once when the script is done with the hub (the run's end record goes out
-        then: a process's fit calls and Trainers are one run, which ends with the script)."""
+    def on_finish(self, finisher: Callable[[], None]) -> None:
+        """Call `finisher` once when the script is done with the hub (the run's end record goes out then:
+        a process's fit calls and Trainers are one run, which ends with the script)."""
         self._finishers.append(finisher)
 
-    def finish(self, failure: str | None = None) -> None:
-        """The script is done (`failure`: why it failed, if it did): its run ends, each finisher once.
-        Called where the script ends, and before the telemetry closes, so every sink and client gets
-        the end record."""
+    def finish(self) -> None:
+        """The script is done: its run ends, each finisher once. Called where the script ends, and before
+        the telemetry closes, so every sink and client gets the end record (how the script itself
+        ended is its exit code's to say: `script_ended`)."""
         while self._finishers:
-            self._finishers.pop()(failure)
+            self._finishers.pop()()
 
     def on_close(self, closer: Callable[[], None]) -> None:
         """Call `closer` when the telemetry closes (a poller thread to stop)."""
