@@ -6,6 +6,8 @@ from gputui.telemetry import hub as hubs
 
 INTEGRATION = Path(__file__).parent / "integration"
 
+pytest_plugins = ["process"]  # starting, waiting for and ending the processes tests start: tests/process.py
+
 
 def pytest_collection_modifyitems(items):
     """Every integration test runs real processes: marked `process` here, once, for the fast lane

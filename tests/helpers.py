@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import os
 import threading
-import time
 
 import torch
 from torch import nn
@@ -251,13 +249,3 @@ def thrashing_allocator(monkeypatch) -> None:
         return probe
 
     monkeypatch.setattr(session, "for_device", thrashing_probe)
-
-
-def socket_of(env, pid, timeout=60):
-    """The attach socket a job started with `env` serves, once it exists (its XDG_RUNTIME_DIR)."""
-    path = os.path.join(env["XDG_RUNTIME_DIR"], "gputui", f"{pid}.sock")
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the job never served its socket"
-        time.sleep(0.05)
-    return path
