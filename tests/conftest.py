@@ -1,10 +1,18 @@
+import os
 from pathlib import Path
+
+# The suite's models are tiny: a second intra-op thread only spins against the other tests and processes of
+# a busy 2-core machine (it doubled the CPU the fast lane takes; a 10 ms step of the demo GPT took over a
+# second so). Set before anything loads torch, and inherited by every process the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
 from gputui.telemetry import hub as hubs
 
 INTEGRATION = Path(__file__).parent / "integration"
+
+pytest_plugins = ["process"]  # starting, waiting for and ending the processes tests start: tests/process.py
 
 
 def pytest_collection_modifyitems(items):

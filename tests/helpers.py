@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import threading
-import time
 
 import torch
 from torch import nn
@@ -312,16 +310,6 @@ def thrashing_allocator(monkeypatch) -> None:
         return probe
 
     monkeypatch.setattr(session, "for_device", thrashing_probe)
-
-
-def socket_of(env, pid, timeout=60):
-    """The attach socket a job started with `env` serves, once it exists (its XDG_RUNTIME_DIR)."""
-    path = os.path.join(env["XDG_RUNTIME_DIR"], "gputui", f"{pid}.sock")
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the job never served its socket"
-        time.sleep(0.05)
-    return path
 
 
 GPU_STATS = {  # torch.cuda.memory_stats() keys the probe reads, as a GPU mid-run gives them

@@ -95,7 +95,7 @@ def parse_client(line: bytes) -> dict[str, Any]:
         if not isinstance(ident, int) or isinstance(ident, bool) or not 0 <= ident < 2**53:
             raise ProtocolError("control: 'id' must be a non-negative integer")
         action = data.get("action")
-        if action not in ACTIONS:
+        if not isinstance(action, str) or action not in ACTIONS:  # a list or an object: unhashable
             raise ProtocolError(f"control: unknown action {action!r}")
         value = data.get("value")
         if value is not None and not isinstance(value, (str, bool)):

@@ -1,18 +1,17 @@
-"""fit under torchrun on CPU: two gloo ranks, one thread each. Every launch is bounded (subprocess
-timeout), and the launches that fail a rank set the process group's own timeout to 30 s, so a
-hang fails the test instead of blocking the suite. Scenarios are batched per launch: a launch
-costs seconds."""
+"""fit under torchrun on CPU: two gloo ranks, one thread each. Every launch is bounded (process.run's
+timeout ends torchrun and its ranks), and the launches that fail a rank set the process group's own
+timeout to 30 s, so a hang fails the test instead of blocking the suite. Scenarios are batched per
+launch: a launch costs seconds."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from process import gputui, python
 from torch import nn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -317,14 +316,9 @@ def launch(tmp_path: Path, group: str, *scenarios: str, env: dict[str, str] | No
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "tests")]),
         **(env or {}),
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*command, str(tmp_path / "script.py"), str(out), group, *scenarios],
-        env=environ,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = python(
+        *torchrun, tmp_path / "script.py", out, group, *scenarios, env=environ, cwd=tmp_path, timeout=LAUNCH_TIMEOUT
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -624,9 +618,7 @@ def test_the_tui_is_refused_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('trained')\n")
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "gputui", "run", str(script)], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = gputui("run", script, env=env)
     assert done.returncode == 2
     assert done.stderr.startswith("gputui: error: under torchrun every rank would draw its TUI"), done.stderr
     assert "trained" not in done.stdout

@@ -122,9 +122,9 @@ def test_gpu_memory_limit_from_the_command_line_reaches_a_fit_script_built_on_th
     """The optimizer is made while the model is still on the CPU (fit moves it): the observer must not
     refuse the limit there, and fit applies it on the GPU."""
     import json
-    import subprocess
-    import sys
     import textwrap
+
+    from process import gputui
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -138,25 +138,8 @@ def test_gpu_memory_limit_from_the_command_line_reaches_a_fit_script_built_on_th
         gputui.fit(model, data, lambda m, x: m(x).pow(2).mean(), opt, device="cuda")
         """)
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gputui",
-            "run",
-            "--headless",
-            "--gpu-memory-limit",
-            "1GiB",
-            "--metrics",
-            "m.jsonl",
-            str(script),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "GPUTUI_NO_SOCKET": "1"},
-    )
+    flags = ["--gpu-memory-limit", "1GiB", "--metrics", "m.jsonl"]
+    done = gputui("run", "--headless", *flags, script, cwd=tmp_path, env={**os.environ, "GPUTUI_NO_SOCKET": "1"})
     assert done.returncode == 0, done.stderr
     steps = [r for r in map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert len(steps) == 3 and {s["memory"]["capacity"] for s in steps} == {2**30}

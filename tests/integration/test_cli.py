@@ -4,12 +4,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from process import gputui, python, wait_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,12 +31,6 @@ result = gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.
 gputui.save({{"steps": result.steps, "stopped": result.stopped}}, sys.argv[1])
 print("saved", result.steps, result.stopped)
 """
-
-
-def gputui(*args, cwd=None, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
 
 
 def script(tmp_path, text, name="train.py"):
@@ -126,18 +119,15 @@ def test_fit_error_is_one_line_and_fails(tmp_path):
 
 
 @pytest.mark.parametrize("sig, reason", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
-def test_signal_finishes_the_step_and_the_script_saves(tmp_path, sig, reason):
+def test_signal_finishes_the_step_and_the_script_saves(tmp_path, env, processes, sig, reason):
     path = script(tmp_path, TRAIN.format(batches=10_000, delay=0.02, extra=""))
     out = tmp_path / "out.pt"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gputui", "run", "--headless", str(path), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = processes.gputui(
+        "run", "--headless", path, out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     line = proc.stdout.readline()  # the header: training has started
     assert line.startswith("gputui: training"), line
-    time.sleep(0.5)
+    wait_steps(env, proc.pid, 1)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -177,12 +167,7 @@ def test_demos_run_headless(tmp_path, demo, extra):
 
 
 def test_plain_python_trains_with_a_progress_line(tmp_path):
-    done = subprocess.run(
-        [sys.executable, ROOT / "demos" / "mlp.py", "--size", "tiny", "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = python(ROOT / "demos" / "mlp.py", "--size", "tiny", "--steps", "3")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith("gputui: training MLP")
     assert "gputui: done: 3 steps" in done.stdout
@@ -193,9 +178,7 @@ def test_a_reader_that_closes_the_pipe_gets_no_traceback(tmp_path):
     read, write = os.pipe()
     os.close(read)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-m", "gputui", "jobs"], stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=60
-    )
+    done = gputui("jobs", stdout=write, env=env)
     os.close(write)
     assert done.returncode == 1 and done.stderr == ""
 

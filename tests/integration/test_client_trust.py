@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from process import gputui
 
 from gputui.telemetry.protocol import VERSION
 from gputui.telemetry.sample import Memory, StepRecord, StepSample
@@ -121,12 +122,6 @@ def fake(request):
         server.close()
 
 
-def gputui(env, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "gputui", *map(str, args)], capture_output=True, text=True, env=env, timeout=60
-    )
-
-
 def assert_one_line_error(done, *words):
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
@@ -138,7 +133,7 @@ def assert_one_line_error(done, *words):
 def assert_every_command_refuses(env, server, *words):
     pid = os.getpid()  # the planted socket's name: a live process, as find_jobs wants
     for args in (["jobs"], ["jobs", "--json"], ["attach", pid, "--json"], ["ctl", pid, "stop"]):
-        done = gputui(env, *args)
+        done = gputui(*args, env=env)
         assert_one_line_error(done, *words)
         assert str(HELLO["argv"][0]) not in done.stdout, "the planted job must not be listed"
     assert not any(b'"control"' in data for data in server.received), "no control may reach a planted server"
@@ -169,7 +164,7 @@ def test_a_folder_that_is_a_symlink_is_refused(env, folder, fake, tmp_path):
 
 
 def test_a_missing_folder_means_no_jobs_and_is_not_created(env, folder):
-    done = gputui(env, "jobs")
+    done = gputui("jobs", env=env)
     assert done.returncode == 0 and done.stdout.startswith("no running gputui jobs")
     assert not os.path.exists(folder)
 
@@ -179,13 +174,15 @@ def test_an_explicit_socket_path_is_checked_too(env, fake, tmp_path):
     open_folder.mkdir()
     os.chmod(open_folder, 0o755)
     server = fake(open_folder / "123.sock")
-    assert_one_line_error(gputui(env, "attach", server.path, "--json"), "open to other users")
+    assert_one_line_error(gputui("attach", server.path, "--json", env=env), "open to other users")
     if os.getuid() == 0:
         private = tmp_path / "private"
         private.mkdir(mode=0o700)
         server = fake(private / "456.sock")
         os.chown(server.path, NOBODY, NOBODY)
-        assert_one_line_error(gputui(env, "attach", server.path, "--json"), f"belongs to another user (uid {NOBODY})")
+        assert_one_line_error(
+            gputui("attach", server.path, "--json", env=env), f"belongs to another user (uid {NOBODY})"
+        )
 
 
 PEER = """
@@ -210,18 +207,14 @@ while True:
     os.getuid() != 0 or not hasattr(socket, "SO_PEERCRED"),
     reason="a server of another uid needs root (setuid) and SO_PEERCRED (Linux)",
 )
-def test_a_server_running_as_another_user_is_refused(env, folder):
+def test_a_server_running_as_another_user_is_refused(env, folder, processes):
     os.mkdir(folder, 0o700)
-    peer = subprocess.Popen(
-        [sys.executable, "-c", PEER, folder, str(NOBODY), WELCOME.decode()], stdout=subprocess.PIPE, text=True
+    peer = processes.start(
+        [sys.executable, "-c", PEER, folder, NOBODY, WELCOME.decode()], stdout=subprocess.PIPE, text=True
     )
-    try:
-        assert peer.stdout.readline().strip() == "ready"
-        for args in (["attach", peer.pid, "--json"], ["ctl", peer.pid, "pause"], ["jobs"]):
-            assert_one_line_error(gputui(env, *args), f"runs as another user (uid {NOBODY})", "not trusted")
-    finally:
-        peer.kill()
-        peer.wait(10)
+    assert peer.stdout.readline().strip() == "ready"
+    for args in (["attach", peer.pid, "--json"], ["ctl", peer.pid, "pause"], ["jobs"]):
+        assert_one_line_error(gputui(*args, env=env), f"runs as another user (uid {NOBODY})", "not trusted")
 
 
 ESCAPES = "\x1b[2J\x1b]0;pwned\x07\x9b31m"
@@ -279,7 +272,7 @@ def test_misbehaving_servers_get_one_line_and_exit_1(env, folder, fake, case):
     os.mkdir(folder, 0o700)
     fake(os.path.join(folder, f"{os.getpid()}.sock"), MISBEHAVING[case])
     for args in (["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"], ["jobs"], ["jobs", "--json"]):
-        done = gputui(env, *args)
+        done = gputui(*args, env=env)
         assert_one_line_error(done, str(os.getpid()))
 
 
@@ -289,7 +282,7 @@ def test_a_job_cannot_print_rows_of_its_own_or_reverse_text(env, folder, fake):
         os.path.join(folder, f"{os.getpid()}.sock"),
         wrong(info={"argv": ["x.py\n  31337  fake.py  cpu  training"], "device": "cpu\u202egnp.exe"}),
     )
-    done = gputui(env, "jobs")
+    done = gputui("jobs", env=env)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 2 and "\u202e" not in done.stdout, done.stdout
 
@@ -297,7 +290,7 @@ def test_a_job_cannot_print_rows_of_its_own_or_reverse_text(env, folder, fake):
 def test_huge_fields_are_listed_within_bounds(env, folder, fake):
     os.mkdir(folder, 0o700)
     fake(os.path.join(folder, f"{os.getpid()}.sock"), wrong(info={"argv": ["x" * 100_000], "device": "c" * 50_000}))
-    done = gputui(env, "jobs")
+    done = gputui("jobs", env=env)
     assert done.returncode == 0, done.stderr
     assert max(map(len, done.stdout.splitlines())) < 300
 
@@ -310,7 +303,7 @@ def test_a_silent_server_times_out(env, folder, fake):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each waits out the same timeout: together
             runs = list(
                 pool.map(
-                    lambda args: gputui(env, *args),
+                    lambda args: gputui(*args, env=env),
                     (["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"], ["jobs"]),
                 )
             )
@@ -334,15 +327,15 @@ def test_escape_sequences_from_a_job_never_reach_the_terminal(env, folder, fake)
         line(hostile) + line(step) + line({"v": VERSION, "kind": "live"}) + line(refusal),
     )
     for args in (["jobs"], ["jobs", "--json"], ["attach", os.getpid(), "--json"], ["ctl", os.getpid(), "pause"]):
-        done = gputui(env, *args)
+        done = gputui(*args, env=env)
         assert "Traceback" not in done.stderr, done.stderr
         shown = done.stdout + done.stderr
         for char in "\x1b\x07\x9b":
             assert char not in shown, (args, shown)
         assert "\\u001b" not in shown and "\\u009b" not in shown, "not even escaped: stripped"
-    listed = gputui(env, "jobs").stdout
+    listed = gputui("jobs", env=env).stdout
     assert "evil" not in listed and " x.py " in listed  # whole sequences go, not only their first byte
-    refused = gputui(env, "ctl", os.getpid(), "pause")
+    refused = gputui("ctl", os.getpid(), "pause", env=env)
     assert_one_line_error(refused, "refused: no")
     assert refused.stderr.rstrip().endswith("refused: no"), refused.stderr
 
@@ -383,7 +376,7 @@ def test_a_full_backlog_is_waited_for_not_failed_at_once(env, folder):
     thread = threading.Thread(target=accept_later, daemon=True)
     thread.start()
     try:
-        done = gputui(env, "attach", os.getpid(), "--json")
+        done = gputui("attach", os.getpid(), "--json", env=env)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["step"] == 3
     finally:

@@ -7,11 +7,10 @@ AOTAutograd as inductor does, without a C++ compiler's seconds (inductor also wa
 """
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from process import python
 
 CHILD = """
 import copy, json, warnings
@@ -75,7 +74,7 @@ json.dump(cases, open("cases.json", "w"))
 def test_a_compiled_model_trains_through_fit_without_recompiles_or_warnings(tmp_path):
     script = tmp_path / "compiled.py"
     script.write_text(textwrap.dedent(CHILD))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    done = python(script, cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr
     # dynamo reports a recompile past its limit (or any trouble) through logging, on stderr
     assert "torch._dynamo" not in done.stderr and "recompil" not in done.stderr, done.stderr

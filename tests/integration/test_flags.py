@@ -6,11 +6,12 @@ same tiny model both ways with each flag and compare what the run recorded.
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from process import gputui, wait_until
 
 from gputui import launch
 from gputui.probes import snapshot
@@ -48,15 +49,7 @@ MODES = {"fit": "fit", "own_loop": "observe"}
 def run(tmp_path, mode: str, *flags: str) -> subprocess.CompletedProcess:
     script = tmp_path / f"{mode}.py"
     script.write_text(textwrap.dedent(SCRIPTS[mode]))
-    env = {**os.environ, "GPUTUI_NO_SOCKET": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "gputui", "run", "--headless", *flags, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return gputui("run", "--headless", *flags, script, cwd=tmp_path, env={**os.environ, "GPUTUI_NO_SOCKET": "1"})
 
 
 def records(path) -> list[dict]:
@@ -152,36 +145,31 @@ def test_a_stop_request_ends_either_run_as_stopped_not_failed(tmp_path, monkeypa
     assert summary.outcome == "stopped"
 
 
-def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path):
+def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path, processes):
     """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
     at once, with no end record and its socket left behind)."""
-    import signal
-    import time
-
     script = tmp_path / "long.py"
     script.write_text(
         textwrap.dedent(PRELUDE)
         + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
         "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
     )
-    env = {**os.environ, "GPUTUI_NO_SOCKET": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gputui", "run", "--headless", "--metrics", "m.jsonl", str(script)],
+    metrics = tmp_path / "m.jsonl"
+    proc = processes.gputui(
+        "run",
+        "--headless",
+        "--metrics",
+        metrics,
+        script,
         cwd=tmp_path,
-        env=env,
+        env={**os.environ, "GPUTUI_NO_SOCKET": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        deadline = time.monotonic() + 60
-        while '"kind":"step"' not in ((tmp_path / "m.jsonl").read_text() if (tmp_path / "m.jsonl").exists() else ""):
-            assert time.monotonic() < deadline and proc.poll() is None, "no step in 60 s"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    wait_until(lambda: metrics.exists() and '"kind":"step"' in metrics.read_text(), message="no step", process=proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "terminated: finishing the current step" in err
-    end = records(tmp_path / "m.jsonl")[-1]
+    end = records(metrics)[-1]
     assert end["kind"] == "end" and end["stopped"] == "terminated" and end["error"] is None

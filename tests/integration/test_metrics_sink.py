@@ -4,12 +4,11 @@ lines only, one line on stderr says so, and the exit code is the training's."""
 import json
 import os
 import resource
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from process import python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,15 +35,7 @@ def run(args, tmp_path, limit=None):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, *args(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-        preexec_fn=small_disk if limit else None,
-    )
+    return python(*args(script), cwd=tmp_path, env=env, preexec_fn=small_disk if limit else None)
 
 
 def test_a_disk_that_fills_mid_line_leaves_only_whole_lines(tmp_path):

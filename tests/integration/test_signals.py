@@ -6,18 +6,14 @@ metrics file gets its end record, the socket goes, and the process exits with th
 
 import json
 import os
-import pty
-import re
 import signal
 import subprocess
 import sys
 import termios
 import textwrap
-import threading
-import time
 
 import pytest
-from helpers import socket_of
+from process import Terminal, gputui, screens, socket_of, wait_until
 
 from gputui.telemetry.client import Connection
 from gputui.telemetry.output import LINE_LIMIT
@@ -43,87 +39,21 @@ sys.exit(3)
 """
 
 
-@pytest.fixture
-def env(tmp_path):
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
-    return {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
-
-
 def write_script(tmp_path, steps=100_000, before="", after=""):
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(TRAIN.format(steps=steps, before=before, after=after)))
     return path
 
 
-class Tui:
-    """`gputui run` on a pseudo-terminal (optionally under a shell command), its screen drained."""
-
-    def __init__(self, env, tmp_path, script, shell=None, args=()):
-        self.metrics, self.out = tmp_path / "m.jsonl", tmp_path / "out.pt"
-        self.sockets = os.path.join(env["XDG_RUNTIME_DIR"], "gputui")
-        argv = [
-            sys.executable,
-            "-m",
-            "gputui",
-            "run",
-            "--metrics",
-            str(self.metrics),
-            str(script),
-            str(self.out),
-            *map(str, args),
-        ]
-        if shell is not None:
-            argv = ["/bin/sh", "-c", shell + ' "$@"', "sh", *argv]
-        self.pid, self.master = pty.fork()
-        if self.pid == 0:
-            os.execve(argv[0], argv, env)
-        self.screen = bytearray()
-        self.closed = threading.Event()
-        self.reader = threading.Thread(target=self._drain, daemon=True)
-        self.reader.start()
-
-    def _drain(self):
-        try:
-            while chunk := os.read(self.master, 65536):
-                self.screen += chunk
-        except OSError:  # EIO: the child side closed
-            pass
-        self.closed.set()
-
-    def text(self):
-        """The last screenful, escape sequences removed: for failure messages."""
-        return re.sub(r"\x1b\[[0-9;?<>=$]*[A-Za-z]", " ", self.screen[-6000:].decode("utf-8", "replace"))
+class Tui(Terminal):
+    """`gputui run --metrics m.jsonl SCRIPT out.pt` on a pseudo-terminal (`tui` starts it), and what it leaves."""
 
     def records(self):
         text = self.metrics.read_text() if self.metrics.exists() else ""
         return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
-    def wait_for(self, what, timeout=30):
-        deadline = time.monotonic() + timeout
-        while not what():
-            assert time.monotonic() < deadline, f"timed out; screen: {self.text()}"
-            time.sleep(0.05)
-
     def wait_steps(self, n):
-        self.wait_for(lambda: sum(r["kind"] == "step" for r in self.records()) >= n)
-
-    def exit_code(self, timeout=30):
-        deadline = time.monotonic() + timeout
-        while (status := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
-            assert time.monotonic() < deadline, f"still running; screen: {self.text()}"
-            time.sleep(0.05)
-        self.pid = None
-        return os.waitstatus_to_exitcode(status[1])
-
-    def close(self):
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        try:
-            os.close(self.master)
-        except OSError:
-            pass
+        self.wait_for(lambda: sum(r["kind"] == "step" for r in self.records()) >= n, every=0.05)
 
     def assert_ended_cleanly(self, stopped):
         import torch
@@ -137,16 +67,20 @@ class Tui:
 
 
 @pytest.fixture
-def tui(env, tmp_path):
-    runs = []
+def tui(env, tmp_path, processes):
+    """Starts `gputui run` on a pseudo-terminal (optionally under a shell command): a Tui."""
 
     def start(script, shell=None, args=()):
-        runs.append(Tui(env, tmp_path, script, shell, args))
-        return runs[-1]
+        metrics, out = tmp_path / "m.jsonl", tmp_path / "out.pt"
+        argv = [sys.executable, "-m", "gputui", "run", "--metrics", metrics, script, out, *args]
+        if shell is not None:
+            argv = ["/bin/sh", "-c", shell + ' "$@"', "sh", *argv]
+        run = processes.terminal(argv, env, kind=Tui)
+        run.metrics, run.out = metrics, out
+        run.sockets = os.path.join(env["XDG_RUNTIME_DIR"], "gputui")
+        return run
 
-    yield start
-    for run in runs:
-        run.close()
+    return start
 
 
 def test_sigterm_in_the_tui_finishes_the_step_saves_and_gives_the_terminal_back(tmp_path, tui):
@@ -179,7 +113,7 @@ def test_a_terminal_that_dies_without_a_sighup_hands_over_to_headless(tmp_path, 
     # The session leader ignores HUP, so closing the terminal sends gputui no signal at all.
     run = tui(write_script(tmp_path, steps=60), shell="trap '' HUP;")
     run.wait_steps(3)
-    os.close(run.master)
+    run.hang_up()
     assert run.exit_code() == 3
     run.assert_ended_cleanly(None)
     assert run.records()[-1]["steps"] == 60, "training finished headless"
@@ -195,9 +129,9 @@ def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tu
     run.wait_steps(2)
     assert read.read_text() == "''"
     assert drawn.read_text() == "[]", "the screen is drawn in a process of its own: no frame holds this one's GIL"
-    os.write(run.master, b"q")  # asks: training is running
+    run.send(b"q")  # asks: training is running
     run.wait_for(lambda: b"Stop after the current step" in run.screen)
-    os.write(run.master, b"q")  # yes
+    run.send(b"q")  # yes
     assert run.exit_code() == 3
     run.assert_ended_cleanly("requested")
 
@@ -205,7 +139,7 @@ def test_the_script_reads_eof_from_stdin_and_the_keys_reach_the_app(tmp_path, tu
 def test_the_tui_prints_the_runs_summary_once_it_has_given_the_terminal_back(tmp_path, tui):
     run = tui(write_script(tmp_path))
     run.wait_steps(3)
-    os.write(run.master, b"qq")  # quit, yes: the fit stops after its step, the script saves
+    run.send(b"qq")  # quit, yes: the fit stops after its step, the script saves
     assert run.exit_code() == 3
     run.wait_for(run.closed.is_set)
     after = run.screen[run.screen.rfind(b"\x1b[?1049l") :].decode()  # on the terminal, the screen gone
@@ -218,14 +152,7 @@ def test_the_tui_prints_the_runs_summary_once_it_has_given_the_terminal_back(tmp
 def test_headless_keeps_stdin(tmp_path, env):
     path = tmp_path / "echo.py"
     path.write_text("import sys\nprint('got', sys.stdin.read())\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "gputui", "run", "--headless", str(path)],
-        input="hello",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    done = gputui("run", "--headless", path, input="hello", env=env)
     assert done.returncode == 0 and "got hello" in done.stdout, done.stderr
 
 
@@ -242,23 +169,7 @@ def test_a_second_ctrl_c_during_shutdown_is_quiet_and_the_socket_goes(tmp_path, 
     """)
     path = write_script(tmp_path, steps=4, before=before)
     metrics = tmp_path / "m.jsonl"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gputui",
-            "run",
-            "--headless",
-            "--metrics",
-            str(metrics),
-            str(path),
-            str(tmp_path / "out.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    done = gputui("run", "--headless", "--metrics", metrics, path, tmp_path / "out.pt", env=env)
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
     assert os.listdir(os.path.join(env["XDG_RUNTIME_DIR"], "gputui")) == []
     assert json.loads(metrics.read_text().splitlines()[-1])["kind"] == "end"
@@ -284,16 +195,10 @@ print("after the save")
 
 def signal_mid_save(proc, sig, saving, go):
     """Send `sig` while SLOW_SAVE is held mid-write, then let the save go on; returns stdout, stderr."""
-    try:
-        deadline = time.monotonic() + 60
-        while not saving.exists():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.02)
-        proc.send_signal(sig)
-        go.touch()
-        return proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    wait_until(saving.exists, message="the script never got to its save", process=proc)
+    proc.send_signal(sig)
+    go.touch()
+    return proc.communicate(timeout=60)
 
 
 def assert_saved_whole(out):
@@ -305,14 +210,14 @@ def assert_saved_whole(out):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, sig):
+def test_a_signal_during_save_waits_for_the_whole_file(tmp_path, processes, sig):
     import torch
 
     path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
     path.write_text(SLOW_SAVE)
     torch.save({"old": True}, out)
-    proc = subprocess.Popen(
-        [sys.executable, str(path), str(out), str(saving), str(go)],
+    proc = processes.start(
+        [sys.executable, path, out, saving, go],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -351,11 +256,11 @@ def test_a_second_signal_in_the_tui_stops_the_script_once_its_save_is_whole(tmp_
 
 def test_a_forced_quit_waits_for_the_save(tmp_path, tui):
     run, go = held_save(tmp_path, tui)
-    os.write(run.master, b"q")  # asks: the script is running
+    run.send(b"q")  # asks: the script is running
     run.wait_for(lambda: b"Stop it and quit?" in run.screen)
-    os.write(run.master, b"q")  # yes
+    run.send(b"q")  # yes
     run.wait_for(lambda: b"q again" in run.screen)
-    os.write(run.master, b"q")  # at once
+    run.send(b"q")  # at once
     run.wait_for(lambda: b"waiting for the save of " in run.screen)
     go.touch()
     assert run.exit_code() == 130
@@ -363,7 +268,7 @@ def test_a_forced_quit_waits_for_the_save(tmp_path, tui):
     assert b"after the save" not in run.screen and b"save.py printed (last 1 lines" in run.screen
 
 
-def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, env):
+def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, env, processes):
     # Started ignoring SIGINT, as a shell script's `cmd &` does: gputui still stops on it, as fit and
     # the TUI do, instead of the save replaying it into the ignore.
     path, out, saving, go = tmp_path / "save.py", tmp_path / "model.pt", tmp_path / "saving", tmp_path / "go"
@@ -372,7 +277,7 @@ def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, en
     ignoring = (
         f"import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv({sys.executable!r}, {argv!r})"
     )
-    proc = subprocess.Popen(
+    proc = processes.start(
         [sys.executable, "-c", ignoring], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     stdout, stderr = signal_mid_save(proc, signal.SIGINT, saving, go)
@@ -418,21 +323,9 @@ def test_sigterm_in_the_tui_interrupts_a_scripts_own_loop(tmp_path, tui):
     assert run.records()[-1]["kind"] == "end" and os.listdir(run.sockets) == []
 
 
-def screen_of(run, timeout=30):
+def screen_of(run):
     """The pid of the run's screen (`python -m gputui.tui`, its child), once it is there."""
-    import psutil
-
-    def find():
-        for child in psutil.Process(run.pid).children():
-            if "gputui.tui" in " ".join(child.cmdline()):
-                return child.pid
-        return None
-
-    deadline = time.monotonic() + timeout
-    while (pid := find()) is None:
-        assert time.monotonic() < deadline, f"no screen; screen: {run.text()}"
-        time.sleep(0.01)
-    return pid
+    return run.wait_for(lambda: screens(run.pid))[0]
 
 
 def assert_terminal_given_back(run):
@@ -541,5 +434,5 @@ def test_the_scripts_streams_in_the_tui_are_text_over_bytes_and_fd_1_is_not_held
         while "fd done" not in lines and (record := conn.read()) is not None:
             lines += record["lines"] if record["kind"] == "output" else []
     assert lines[-2:] == ["B" * LINE_LIMIT + "…", "fd done"]
-    os.write(run.master, b"q")
+    run.send(b"q")
     assert run.exit_code() == 0

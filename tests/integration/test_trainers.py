@@ -15,10 +15,10 @@ import math
 import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from process import python
 
 TIMEOUT = 55  # seconds a run may take (~5 s here, most of it importing the library): two fit in pytest's 120
 
@@ -157,10 +157,8 @@ class Ran:
             "XDG_RUNTIME_DIR": str(runtime),
             "PYTHONHASHSEED": "0",
         }
-        done = subprocess.run(
-            [sys.executable, *gputui, "train.py"], capture_output=True, cwd=folder, env=env, timeout=TIMEOUT
-        )
         # bytes decoded as they are: text mode would turn a progress bar's \r into \n
+        done = python(*gputui, "train.py", cwd=folder, env=env, timeout=TIMEOUT, text=False)
         out, err = (s.decode().replace(str(folder), "<folder>") for s in (done.stdout, done.stderr))
         return subprocess.CompletedProcess(done.args, done.returncode, out, err)
 

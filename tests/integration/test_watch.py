@@ -1,18 +1,13 @@
 """`gputui watch` in a real process, on whatever NVML this machine has (CI: none)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from process import gputui, python
 
 from gputui.probes.nvml import read_gpus
 
 NVML = read_gpus()
-
-
-def gputui(*args):
-    return subprocess.run([sys.executable, "-m", "gputui", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("args", [("--once", "--json"), ("--once",)])
@@ -45,6 +40,6 @@ def test_watch_never_imports_torch():
         "import sys; from gputui.cli import main; code = main(['watch', '--once', '--json']); "
         "print('torch' in sys.modules, 'textual' in sys.modules, code in (0, 1))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = python("-c", code)
 
     assert done.stdout.splitlines()[-1] == "False False True"

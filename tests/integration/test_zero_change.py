@@ -7,11 +7,10 @@ must be the same, and the losses gputui records must be the ones the script comp
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from process import python
 
 PRELUDE = """
 import json, sys, time
@@ -114,13 +113,8 @@ def run(tmp_path, name, code, argv, gputui_args=None):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONHASHSEED": "0"}
-    command = (
-        [sys.executable, str(script), *argv]
-        if gputui_args is None
-        else [sys.executable, "-m", "gputui", "run", "--headless", *gputui_args, str(script), *argv]
-    )
-    done = subprocess.run(command, capture_output=True, text=True, cwd=folder, env=env, timeout=120)
-    return done, folder
+    gputui = [] if gputui_args is None else ["-m", "gputui", "run", "--headless", *gputui_args]
+    return python(*gputui, script, *argv, cwd=folder, env=env), folder
 
 
 def steps_of(metrics):
@@ -167,12 +161,12 @@ EPOCHS = {  # name: (each step's epoch, from 0; the epochs completed)
 NUMPY_WARNING = ""  # torch's "Failed to initialize NumPy" warning, which gputui filters, is matched below
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def numpy_warning():
-    """torch warns on import without NumPy; gputui silences that one line, nothing else."""
+    """torch warns on import without NumPy; gputui silences that one line, nothing else (what it warns
+    is the same for every test here: read once)."""
     global NUMPY_WARNING
-    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True)
-    NUMPY_WARNING = probe.stderr
+    NUMPY_WARNING = python("-c", "import torch").stderr
 
 
 def test_printed_losses_when_backward_sees_no_scalar(tmp_path):
@@ -349,16 +343,7 @@ for epoch in range(2):
 def test_file_and_argv0_are_what_python_sets(tmp_path):
     (tmp_path / "where.py").write_text("import sys\nprint(__file__, sys.argv[0], __name__)\n")
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    plain = subprocess.run(
-        [sys.executable, "where.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
-    )
-    ours = subprocess.run(
-        [sys.executable, "-m", "gputui", "run", "--headless", "where.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-    )
+    plain = python("where.py", cwd=tmp_path, env=env)
+    ours = python("-m", "gputui", "run", "--headless", "where.py", cwd=tmp_path, env=env)
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout == plain.stdout == f"{tmp_path / 'where.py'} where.py __main__\n"

@@ -43,10 +43,8 @@ print("saved after", result.steps, "steps")
 """
 
 
-def make_script(tmp_path, *, batch=16, batches=3000, delay=0.01, fail="", extra=""):
-    path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail, extra=extra)))
-    return path
+def make_script(*, batch=16, batches=3000, delay=0.01, fail="", extra=""):
+    return textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail, extra=extra))
 
 
 @pytest.fixture
@@ -60,54 +58,41 @@ def utc(monkeypatch):
 
 
 @pytest.fixture
-def make_app(hub, tmp_path):
-    """An app training a real script (in tmp_path) in its thread, fed from the test's hub."""
+def script_app(hub, tmp_path):
+    """Apps running a real script (`code`, written to tmp_path/`name`) in their training thread, fed from
+    the test's hub; `observe`: an own loop, observed. Each run is stopped (fit after its step, an own loop
+    by a KeyboardInterrupt) and its thread joined when the test ends: none trains on into the next test."""
     apps = []
 
-    def make(**script):
-        path = make_script(tmp_path, **script)
-        out = tmp_path / "saved.pt"
-        app = GputuiApp(
-            LocalSource(hub),
-            script="train.py",
-            refresh=20,
-            runner=lambda err: run_script(str(path), [str(out)], err=err),
-        )
-        apps.append(app)
-        return app
-
-    yield make
-    for app in apps:  # never leave a training thread behind for the next test
-        hub.controls.request("stop")
-        thread = app.training_thread
-        if thread is not None:
-            thread.join(30)
-
-
-@pytest.fixture
-def own_loop_app(hub, tmp_path):
-    """An app observing a script with its own training loop (`code`, written to tmp_path/own.py);
-    the script is stopped (a KeyboardInterrupt after its next step) and joined afterwards."""
-    apps = []
-
-    def make(code):
-        path = tmp_path / "own.py"
+    def make(code, name="train.py", argv=(), observe=False):
+        path = tmp_path / name
         path.write_text(code)
-        apps.append(
-            GputuiApp(
-                LocalSource(hub),
-                script="own.py",
-                refresh=20,
-                runner=lambda err: run_script(str(path), [], err=err, observe=hub),
-            )
-        )
+        observed = {"observe": hub} if observe else {}
+
+        def runner(err):
+            return run_script(str(path), list(argv), err=err, **observed)
+
+        apps.append(GputuiApp(LocalSource(hub), script=name, refresh=20, runner=runner))
         return apps[-1]
 
     yield make
     hub.controls.request("stop")
     for app in apps:
-        app.training_thread.join(30)
-        assert not app.training_thread.is_alive()
+        if app.training_thread is not None:  # an app never run starts no thread
+            app.training_thread.join(30)
+            assert not app.training_thread.is_alive()
+
+
+@pytest.fixture
+def make_app(script_app, tmp_path):
+    """An app training SCRIPT (make_script's keywords), which saves to tmp_path/saved.pt."""
+    return lambda **script: script_app(make_script(**script), argv=[str(tmp_path / "saved.pt")])
+
+
+@pytest.fixture
+def own_loop_app(script_app):
+    """An app observing a script with its own training loop (`code`, written to own.py)."""
+    return lambda code: script_app(code, name="own.py", observe=True)
 
 
 async def until(pilot, condition, timeout=20.0):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import text, until
-from textual.command import CommandPalette
+from textual.command import CommandList, CommandPalette
 from textual.widgets import Input, RichLog
 
 from gputui.tui.screens import ConfirmQuit, FailureScreen, LogScreen, OomScreen, TopTensorsScreen
@@ -38,7 +38,7 @@ async def test_palette_command_does_what_its_key_does(make_app, hub):
         await pilot.press("ctrl+p")
         await until(pilot, lambda: isinstance(app.screen, CommandPalette))
         app.screen.query_one(Input).value = "halve"  # typed at once: Pilot waits for idle after each key
-        await pilot.pause(0.3)  # the palette searches in a worker
+        await until(pilot, lambda: app.screen.query_one(CommandList).option_count)  # searched in a worker
         await pilot.press("enter")
         await until(pilot, lambda: "micro_batch_changed" in names(hub))
         await until(pilot, lambda: "micro-batch 8 × 2 = 16" in text(app, "#remedies"))
@@ -67,9 +67,13 @@ async def test_log_screen_shows_what_the_script_printed(make_app, hub):
         ("f", "cache_freed", "memory freed: RSS"),
     ],
 )
-async def test_remedy_keys(make_app, hub, key, event, shown):
+async def test_remedy_keys(make_app, hub, monkeypatch, key, event, shown):
     """Each remedy key sends its control, the engine applies it, and the screen says so."""
     app = make_app()
+    sent, request = [], hub.controls.request
+    monkeypatch.setattr(
+        hub.controls, "request", lambda *args, **kwargs: sent.append(request(*args, **kwargs)) or sent[-1]
+    )
     async with app.run_test(size=(120, 30)) as pilot:
         await started(pilot, app, hub)
         await pilot.press(key)
@@ -78,7 +82,7 @@ async def test_remedy_keys(make_app, hub, key, event, shown):
         answer = next(e for e in hub.events() if e.name == event)
         await until(pilot, lambda: not app.view.pending)  # the answer reached the view
         timeline = text(app, "#timeline")
-        assert answer["source"] == "tui" and answer["request_id"] is not None
+        assert answer["source"] == "tui" and [c.id for c in sent] == [answer["request_id"]]  # the key's request
         assert shown in text(app, "#remedies") + timeline, timeline
         assert "applied after step" in timeline
 
@@ -129,7 +133,9 @@ async def test_quit_asks_once_then_stops_after_the_step_and_the_script_saves(mak
 
 
 async def test_quit_before_fit_starts_stops_the_run_at_its_first_boundary(make_app, hub, tmp_path):
-    app = make_app(extra="**{} if time.sleep(1.5) else {}")  # fit starts 1.5 s late: imports, data loading
+    # fit starts late (imports, data loading): once the stop is asked, whenever the test gets to it
+    asked = "lambda: len(__import__('gputui.telemetry.hub').telemetry.hub.current().controls) > 0"
+    app = make_app(extra=f"**{{}} if [time.sleep(0.01) for _ in iter({asked}, True)] else {{}}")
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: any("script started" in line for line in app.output.lines))
         assert app.view.info is None
@@ -186,8 +192,8 @@ async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
         await pilot.press("t")
         assert isinstance(app.screen, TopTensorsScreen)
         await until(pilot, lambda: app.view.top is not None)
-        await pilot.pause(0.2)
         table = app.screen.query_one("#top-table")
+        await until(pilot, lambda: table.row_count)  # filled at the next refresh
         roles = {str(table.get_row_at(i)[5]) for i in range(table.row_count)}
         top = app.view.top
         assert "parameter" in roles and table.row_count > 3, {

@@ -71,8 +71,8 @@ async def test_the_screen_shows_the_names_of_a_fit_model(make_app, hub):
         await until(pilot, lambda: app.view.latest is not None and app.view.latest.step >= 2)
         await pilot.press("t")
         await until(pilot, lambda: app.view.top is not None)
-        await pilot.pause(0.2)
         table = app.screen.query_one("#top-table")
+        await until(pilot, lambda: table.row_count)  # filled at the next refresh
         rows = [[str(cell) for cell in table.get_row_at(i)] for i in range(table.row_count)]
         assert ["32×32", "parameter", "blocks.*.weight"] in [[r[2], r[5], r[6]] for r in rows], rows
         assert len(json.dumps(app.view.top.details)) < 6000
@@ -85,7 +85,7 @@ async def test_the_screen_says_an_own_loops_tensors_go_unnamed(own_loop_app, hub
         await pilot.press("t")
         assert isinstance(app.screen, TopTensorsScreen)
         await until(pilot, lambda: app.view.top is not None)
-        await pilot.pause(0.2)
         table = app.screen.query_one("#top-table")
+        await until(pilot, lambda: table.row_count)  # filled at the next refresh
         assert table.row_count and all(not str(table.get_row_at(i)[6]) for i in range(table.row_count))
         assert "own loop's tensors go unnamed" in str(app.screen.query_one("#top-status").render())

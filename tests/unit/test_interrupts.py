@@ -1,9 +1,8 @@
-import subprocess
-import sys
 import textwrap
 import threading
 
 import pytest
+from process import python
 
 from gputui import interrupts
 
@@ -52,6 +51,6 @@ def test_the_process_never_exits_mid_save(tmp_path):
         saving.wait(10)
         interrupts.exit_after_saves(5, lambda path: go.set())
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = python("-c", code)
     assert done.returncode == 5, done.stderr
     assert saved.exists()

@@ -6,11 +6,10 @@ job is listed as before. The jobs are servers in this process, each under the pi
 import io
 import json
 import re
-import subprocess
 import sys
-import time
 
 import pytest
+from process import wait_until
 
 from gputui import jobs
 from gputui.telemetry.hub import Hub
@@ -23,11 +22,11 @@ TORCHRUN = "run7@node0:29500"
 
 
 @pytest.fixture
-def three_jobs(tmp_path, monkeypatch):
+def three_jobs(tmp_path, monkeypatch, processes):
     """Three jobs by socket name (the order find_jobs lists them in): rank 1 of a two-rank job, a
     one-process job, then rank 0: listed as they come, the ranks would be apart and out of order."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    sleepers = [processes.start(["sleep", "60"]) for _ in range(3)]
     pids = sorted((p.pid for p in sleepers), key=str)
     infos = [
         RunInfo(argv=("ddp.py",), rank=1, world_size=2, job=TORCHRUN),
@@ -40,17 +39,12 @@ def three_jobs(tmp_path, monkeypatch):
             hub = Hub()
             servers.append(TelemetryServer(hub, socket_path(pid)).start())
             hub.start(info)
-        deadline = time.monotonic() + 10
-        while any(server._so_far.info is None for server in servers):  # each server thread took its run in
-            assert time.monotonic() < deadline, "a server never saw its run start"
-            time.sleep(0.01)
+        # each server thread took its run in
+        wait_until(lambda: all(server._so_far.info for server in servers), 10, "a server never saw its run start")
         yield dict(zip(("rank1", "single", "rank0"), pids, strict=True))
     finally:
         for server in servers:
             server.close()
-        for sleeper in sleepers:
-            sleeper.kill()
-            sleeper.wait(10)
 
 
 @pytest.mark.process

@@ -34,16 +34,6 @@ TOLERANCE = 0.05
 PHASES = ("forward", "backward", "optimizer")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These models are tiny: a second intra-op thread only spins against the other processes of a busy
-    2-core machine (a 10 ms step of the demo GPT took over a second so)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass(frozen=True)
 class Case:
     """A model, one batch of `size` samples and the step that trains it; a fresh instance each make()."""

@@ -1,10 +1,9 @@
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from process import wait_until
 
 import gputui
 
@@ -67,27 +66,18 @@ gputui.save({"w": torch.ones(1 << 16), "stall": Stall()}, sys.argv[1])
 """
 
 
-def test_a_save_removes_the_temporary_files_of_saves_killed_midway_and_no_other(tmp_path):
+@pytest.mark.process  # two children importing torch
+def test_a_save_removes_the_temporary_files_of_saves_killed_midway_and_no_other(tmp_path, processes):
     path = tmp_path / "ck.pt"
-    children = [
-        subprocess.Popen([sys.executable, "-c", STALLED_SAVE, str(path), str(tmp_path / f"saving{i}")]) for i in (1, 2)
-    ]
-    try:
-        for i in (1, 2):
-            deadline = time.monotonic() + 60
-            while not (tmp_path / f"saving{i}").exists():
-                assert time.monotonic() < deadline and children[i - 1].poll() is None, "the child never got to its save"
-                time.sleep(0.05)
-        temps = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
-        assert len(temps) == 2, "each stalled save has its temporary file"
-        killed, alive = children
-        killed.kill()  # SIGKILL mid-save: nothing of it runs again
-        killed.wait()
-        gputui.save({"w": torch.zeros(1)}, path)
-        left = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
-        assert len(left) == 1 and f".{alive.pid}." in left.pop(), "the dead save's file went, the live one's stays"
-        assert torch.equal(torch.load(path)["w"], torch.zeros(1))
-    finally:
-        for child in children:
-            child.kill()
-            child.wait()
+    children = [processes.start([sys.executable, "-c", STALLED_SAVE, path, tmp_path / f"saving{i}"]) for i in (1, 2)]
+    for i, child in enumerate(children, 1):
+        wait_until((tmp_path / f"saving{i}").exists, message="the child never got to its save", process=child)
+    temps = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
+    assert len(temps) == 2, "each stalled save has its temporary file"
+    killed, alive = children
+    killed.kill()  # SIGKILL mid-save: nothing of it runs again
+    killed.wait()
+    gputui.save({"w": torch.zeros(1)}, path)
+    left = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
+    assert len(left) == 1 and f".{alive.pid}." in left.pop(), "the dead save's file went, the live one's stays"
+    assert torch.equal(torch.load(path)["w"], torch.zeros(1))
