@@ -5,11 +5,10 @@ reads, and the evaluations are logged."""
 import json
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
+from process import gputui, python, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "demos" / "train_gpt.py"
@@ -23,12 +22,8 @@ def records(path: Path, kind: str) -> list[dict]:
 
 def test_trains_headless_then_resumes_from_its_checkpoint(tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
-    first = subprocess.run(
-        [sys.executable, "-m", "gputui", "run", "--headless", "--metrics", metrics, DEMO, *TINY, "--steps", "4"]
-        + ["--out", out, "--micro-batch", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    first = gputui(
+        "run", "--headless", "--metrics", metrics, DEMO, *TINY, "--steps", "4", "--out", out, "--micro-batch", "3"
     )
     assert first.returncode == 0, first.stderr
     assert [r["step"] for r in records(metrics, "step")] == [1, 2, 3, 4]
@@ -37,12 +32,7 @@ def test_trains_headless_then_resumes_from_its_checkpoint(tmp_path):
     saved = torch.load(out / "ckpt.pt", weights_only=True)
     assert saved["step"] == 4 and saved["trainer"]["steps"] == 4 and saved["trainer"]["micro_batch"] == 3
 
-    resumed = subprocess.run(
-        [sys.executable, DEMO, *TINY, "--steps", "6", "--out", out, "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    resumed = python(DEMO, *TINY, "--steps", "6", "--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from " in resumed.stdout and " at step 4" in resumed.stdout
     logged = [line.split(":")[0] for line in resumed.stdout.splitlines() if ": loss " in line]
@@ -53,23 +43,26 @@ def test_trains_headless_then_resumes_from_its_checkpoint(tmp_path):
     assert saved["trainer"]["micro_batch"] == 3, "the micro-batch the run had goes on"
 
 
-def test_a_ctrl_c_finishes_the_step_and_saves_it(tmp_path):
+def test_a_ctrl_c_finishes_the_step_and_saves_it(tmp_path, processes):
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "gputui", "run", "--headless", "--metrics", metrics, DEMO, *TINY, "--steps", "100000"]
-        + ["--out", out],
+    job = processes.gputui(
+        "run",
+        "--headless",
+        "--metrics",
+        metrics,
+        DEMO,
+        *TINY,
+        "--steps",
+        "100000",
+        "--out",
+        out,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        deadline = time.monotonic() + 90
-        while not (metrics.exists() and records(metrics, "step")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        job.send_signal(signal.SIGINT)
-        stdout, stderr = job.communicate(timeout=90)
-    finally:
-        job.kill()
+    wait_until(lambda: metrics.exists() and records(metrics, "step"), timeout=90, process=job)
+    job.send_signal(signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=90)
     assert job.returncode == 0, stderr
     last = records(metrics, "step")[-1]["step"]
     assert f"step {last}: stopping (interrupted)" in stdout

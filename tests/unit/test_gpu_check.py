@@ -7,11 +7,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from process import python
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -26,14 +26,7 @@ def gpu_check(monkeypatch):
 
 
 def command(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_check.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-    )
+    return python(BENCHMARKS / "gpu_check.py", *args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_2(tmp_path):
