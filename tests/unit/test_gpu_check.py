@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from process import python
 
+pytestmark = pytest.mark.process  # it runs benchmarks/gpu_check.py as a process of its own
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
