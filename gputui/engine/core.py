@@ -30,6 +30,7 @@ from ..step.microbatch import batch_size
 from ..step.precision import Precision
 from ..step.sizing import Sizing
 from ..telemetry.controls import BATCH_NORM_FLOOR
+from ..telemetry.hub import IDLE_S
 from ..telemetry.setup import MetricsSink, for_process
 from .boundary import Boundary
 from .continuity import UNCHANGED, Setting, carried
@@ -220,6 +221,9 @@ class Core:
         the planner's turn, the strategy, the step's record. False: stopped before it was trained.
         `has_next`: under torchrun, what says whether this rank has another batch (strategies/ddp.py)."""
         state, hub = self.state, self.hub
+        idle = hub.idle_since
+        if idle is not None and time.time() - idle >= IDLE_S:
+            self.session.clear_rate()  # an evaluation, a save: not training time
         hub.idle_since = None
         if batch is not None:
             state.batch_size = batch_size(batch)

@@ -263,7 +263,7 @@ class RunView:
             )
         return (
             "Training is running. Stop after the current step and quit?",
-            "the script's code after the step still runs (fit() returns; a Trainer loop sees `stopped`): "
+            "the script goes on after this step, where fit() returns or a Trainer loop sees result.stopped: "
             "your save happens",
         )
 

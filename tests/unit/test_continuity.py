@@ -169,3 +169,19 @@ def test_the_hub_is_idle_outside_a_step_and_not_inside_one(hub):
         trainer.step(conv_batches(1, 8)[0])
     assert seen == [None, None]
     assert hub.idle_since is not None and hub.idle_since >= after_step
+
+
+def test_time_outside_the_steps_is_not_in_the_rate(hub):
+    """An evaluation between two steps of a Trainer (here a minute, as the hub says) is not training time:
+    the samples/s starts over with the next step instead of averaging the gap in (the ETA would jump)."""
+    model = ConvNet()
+    batches = conv_batches(6, 4)
+    with gputui.Trainer(model, sgd(model), conv_step) as trainer:
+        for batch in batches[:3]:
+            trainer.step(batch)
+        assert hub.latest().samples_per_s is not None
+        hub.idle_since = time.time() - 60
+        for batch in batches[3:]:
+            trainer.step(batch)
+    rates = [s.samples_per_s for s in hub.samples()[3:]]
+    assert rates[0] is None and rates[-1] is not None
