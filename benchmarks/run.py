@@ -117,10 +117,13 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
             f"second (headless, under `gputui run --headless`, under the TUI), the tiny MLP of demos/mlp.py "
             f"({step(mlp)}{threads}) at {at(mlp)}"
         )
-        goal = oh["workloads"].get("mlp-3ms")
-        if goal:
-            batch = importlib.import_module("overhead").WORKLOADS["mlp-3ms"][2]
-            parts[-1] += f" and the same MLP at batch {batch} ({step(goal)}) at {at(goal)}"
+        sizes = importlib.import_module("overhead").WORKLOADS
+        larger = [(name, oh["workloads"][name]) for name in ("mlp-2ms", "mlp-3ms") if name in oh["workloads"]]
+        for i, (name, w) in enumerate(larger):
+            joint = " and" if i == len(larger) - 1 else ","
+            blocks = w["alternating"]["ratio"] if "alternating" in w else None
+            in_blocks = f" ({blocks:.3f} in whole fit() blocks in one process)" if blocks else ""
+            parts[-1] += f"{joint} the same MLP at batch {sizes[name][2]} ({step(w)}) at {at(w)}{in_blocks}"
         parts[-1] += (
             f"; measured step by step in one process, fit adds {mlp['interleaved']['added_us']['median']:.0f} us "
             "to the tiny MLP's step"

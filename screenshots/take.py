@@ -170,6 +170,13 @@ async def take_all(names: list[str]) -> None:
     """Every screenshot, or those in `names`."""
     shots = [
         ("main", "gpt.py", ["--steps", "400", "--batch", "48", "--memory-budget", "40MiB"], (120, 40), main_scene),
+        (
+            "own-loop",
+            "train_gpt.py",
+            ["--steps", "300", "--eval-interval", "25", "--out", tempfile.mkdtemp(prefix="gputui-shot-")],
+            (120, 40),
+            lambda app, pilot, hub: wait(pilot, steps(app, 110)),
+        ),
         ("main-80x24", "mlp.py", ["--steps", "600"], (80, 24), lambda app, pilot, hub: wait(pilot, steps(app, 150))),
         ("oom-dialog", "mlp.py", ["--memory-budget", "12MiB", "--manual"], (100, 30), oom_scene),
         ("top-tensors", "gpt.py", ["--steps", "400"], (100, 30), top_scene),
