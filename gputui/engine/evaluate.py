@@ -16,7 +16,8 @@ from ..step.microbatch import batch_size, to_device
 from ..step.precision import Precision
 from ..step.sizing import Sizing
 from ..telemetry import hub as hubs
-from ..telemetry.sample import Event, check_event, finite
+from ..telemetry.events import check_event
+from ..telemetry.sample import Event, finite
 from .oom import drop, is_oom
 from .options import positive, resolve_device
 from .result import FitError

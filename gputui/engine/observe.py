@@ -12,7 +12,6 @@ gputui.fit runs, the observer stands aside.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,8 +22,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
 from ..probes.tensors import top_training_tensors
 from ..telemetry.hub import Hub
-from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, StepRecord, StepSample, finite
+from ..telemetry.run import RunSummary
+from ..telemetry.sample import finite
+from .aside import Aside, innermost_hooks
 from .deferred import DeferredLoss
 from .diagnosis import remedies, user_frame
 from .fetched import Fetched
@@ -56,54 +56,16 @@ class Observer:
         self.batches = Fetched()
         self._backwards = 0
         self._started = False
-        self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside
+        self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside (aside.py)
         self.stop_reason: str | None = None  # why gputui stopped the script (a signal, a request)
-        self._hooks: tuple[Any, Any] | None = None  # the saved-tensor hooks around the script
-        self._aside: int | None = None  # the thread whose stack they are off while fit runs
+        self.hooks: tuple[Any, Any] | None = None  # the saved-tensor hooks around the script
+        self.aside = Aside(self)
 
     @property
     def tracker(self) -> StateTracker | None:
         return self.session.tracker if self.session is not None else None
 
     # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
-    def on_start(self, info: RunInfo) -> None:
-        if not info.observed:
-            self._stand_aside()
-
-    def _stand_aside(self) -> None:
-        self.fitting = True
-        if self.session is not None:  # fit counts its own bytes: two trackers would count twice
-            self.session.close_tracker()
-        # Off the stack while fit runs: a Python call for each tensor autograd saves, though it
-        # returns at once, cost the tiny MLP's 1.5 ms step 75 us. fit runs in the script's
-        # thread, where they are the innermost unless the script pushed its own around fit.
-        if self._hooks is not None and _innermost_hooks() == self._hooks:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._aside = threading.get_ident()
-
-    def on_end(self, summary: RunSummary) -> None:
-        self._step_back_in()
-
-    def _step_back_in(self) -> None:
-        self.fitting = False
-        if self._aside == threading.get_ident() and self._hooks is not None:
-            torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks)
-            self._aside = None
-
-    def on_sample(self, sample: StepSample) -> None:
-        pass
-
-    def on_record(self, record: StepRecord) -> None:
-        pass  # given instead of on_sample's sample: fit's steps are not made into samples for nothing
-
-    def on_event(self, event: Event) -> None:
-        """A fit call or Trainer after the first continues the run (engine/continuity.py): the observer
-        stands aside while each trains and comes back when it returns."""
-        if event.name == "run_continued":
-            self._stand_aside()
-        elif event.name == "part_ended":
-            self._step_back_in()
-
     # -- installing: every patch is undone on exit ----------------------------------------------
     @contextlib.contextmanager
     def installed(self) -> Iterator[Observer]:
@@ -183,22 +145,20 @@ class Observer:
         originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
         for owner, name, patched in patches:
             setattr(owner, name, patched)
-        self.hub.add_sink(self)
-        self._hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
+        self.hub.add_sink(self.aside)
+        self.hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
+            with torch.autograd.graph.saved_tensors_hooks(*self.hooks):
                 try:
                     yield self
                 finally:
-                    if self._aside == threading.get_ident():  # a fit that failed before its run could end
-                        torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks)
-                        self._aside = None
+                    self.aside.step_back_in()  # a fit that failed before its part could end
         finally:
             for owner, name, original in originals:
                 setattr(owner, name, original)
             for hook in hooks:
                 hook.remove()
-            self.hub.remove_sink(self)
+            self.hub.remove_sink(self.aside)
             if self.session is not None:
                 self.session.close()
 
@@ -206,12 +166,12 @@ class Observer:
         """The script compiled something: from now on dynamo must not trace the saved-tensor hooks
         (probes.cpu.hidden_from_dynamo), so they are swapped in place for hidden ones, if they are
         still the innermost (torch.compile is called at a script's top level, outside any)."""
-        if self._hooks is None or self._hooks[0] != self._pack or _innermost_hooks() != self._hooks:
+        if self.hooks is None or self.hooks[0] != self._pack or innermost_hooks() != self.hooks:
             return  # hidden already, not installed, or not the innermost
         hidden = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         torch._C._autograd._pop_saved_tensors_default_hooks()
         torch._C._autograd._push_saved_tensors_default_hooks(*hidden)
-        self._hooks = hidden
+        self.hooks = hidden
 
     # -- what the hooks see ----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -401,11 +361,3 @@ def parameters_device(optimizer: torch.optim.Optimizer) -> torch.device:
     """The device of the optimizer's first parameter (CPU without one): one attribute read a step."""
     params = next((group["params"] for group in optimizer.param_groups if group["params"]), None)
     return params[0].device if params else torch.device("cpu")
-
-
-def _innermost_hooks() -> Any:
-    """The thread's innermost saved-tensor hooks, or None where torch cannot say."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True)
-    except (AttributeError, TypeError):  # an older torch, without it or its argument
-        return None

@@ -25,10 +25,11 @@ from ..probes.device import Probe, for_device
 from ..probes.host import HOST_INTERVAL, read_host
 from ..probes.tensors import top_training_tensors
 from ..telemetry.controls import SUMMARY_NEEDS_CUDA, Control
+from ..telemetry.events import check_event
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepRecord, check_event
+from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepRecord
 from ..units import parse_size
 from .result import SettingsError
 
@@ -208,7 +209,7 @@ class RunSession:
 
     # -- events -------------------------------------------------------------------------------
     def emit(self, name: str, control: Control | None = None, **details: Any) -> None:
-        """Publish an event (of the closed set in telemetry/sample.py); one answering `control` says so."""
+        """Publish an event (of the closed set in telemetry/events.py); one answering `control` says so."""
         if control is not None:
             details.update(control.answer())
         check_event(name, details)

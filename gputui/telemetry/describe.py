@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..units import format_bytes
-from .sample import EVENTS, Event
+from .events import EVENTS
+from .sample import Event
 
 _ACTIONS = {
     "halve_batch": "halve micro-batch",

@@ -3,7 +3,8 @@
 import pytest
 
 from gputui.telemetry.describe import describe
-from gputui.telemetry.sample import EVENTS, Event, check_event
+from gputui.telemetry.events import EVENTS, check_event
+from gputui.telemetry.sample import Event
 
 ROW = {"count": 2, "shape": [64, 32], "dtype": "float32", "bytes": 16384, "role": "parameter"}
 EXAMPLES = {
