@@ -41,3 +41,10 @@ def hub():
     hubs.install(h)
     yield h
     hubs.install(None)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch):
+    """The test's own XDG_RUNTIME_DIR: the sockets its servers make are its alone."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path

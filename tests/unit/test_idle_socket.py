@@ -14,11 +14,7 @@ from gputui.telemetry.run import RunInfo
 from gputui.telemetry.sample import Event
 from gputui.telemetry.server import TelemetryServer
 
-
-@pytest.fixture(autouse=True)
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("runtime_dir")  # each test's sockets in its own folder
 
 
 @pytest.fixture

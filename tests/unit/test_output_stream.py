@@ -20,11 +20,7 @@ from gputui.tui.remote import RemoteSource
 from gputui.tui.sources import LocalSource
 from gputui.tui.terminal import READ, captured_stream, pump
 
-
-@pytest.fixture(autouse=True)
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("runtime_dir")  # each test's sockets in its own folder
 
 
 @pytest.fixture

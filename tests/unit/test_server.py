@@ -19,11 +19,7 @@ from gputui.telemetry.server import admission as admission_module
 from gputui.telemetry.server import listener as listener_module
 from gputui.telemetry.server import peers as peers_module
 
-
-@pytest.fixture(autouse=True)
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("runtime_dir")  # each test's sockets in its own folder
 
 
 def sample(step, loss=1.0, grad_norm=None):
