@@ -266,6 +266,19 @@ class Recovery:
             "at least one (a DistributedSampler gives every rank the same number)"
         )
 
+    def unanswered(self, rank: int, ranks: list[int], waited: float, stop: str | None, timeout: float) -> FitError:
+        """This rank gave up waiting for the others at the exchange: asked to stop, or at `rank_timeout`."""
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        at, waited_s = self.state.steps + 1, f"{waited:.0f} s"
+        if stop is not None:
+            return FitError(
+                f"rank {rank} stopped ({stop}) while waiting for {who}, which stopped answering at step {at} "
+                f"({waited_s})"
+            )
+        return FitError(
+            f"{who} stopped answering: rank {rank} waited {waited_s} for it at step {at} (rank_timeout={timeout:g})"
+        )
+
     def no_items(self, everywhere: bool) -> FitError:
         where = "global batch" if everywhere else "batch"
         return FitError(

@@ -24,6 +24,7 @@ from ..result import Agreed, Failure, FitError
 from ..runner import Runner
 from ..state import RunState
 from .exchange import Agreement
+from .waiting import Waiter
 from .wrapper import Distributed
 
 HasNext = Callable[[], bool]
@@ -68,6 +69,16 @@ class Ddp:
         self.session = runner.session
         self._cooling = 0  # steps before the OOM prevention looks at the peaks again
         self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
+        agreement.wait = Waiter(
+            group.rank,
+            group.world_size,
+            timeout_s=group.rank_timeout,
+            stop_asked=self._stop_asked,
+            said=self._waiting,
+            unanswered=lambda ranks, waited, stop: recovery.unanswered(
+                group.rank, ranks, waited, stop, group.rank_timeout
+            ),
+        ).wait
 
     @property
     def ranks(self) -> Any:
@@ -185,6 +196,14 @@ class Ddp:
         self.agreement.resized(new)
         details: dict[str, Any] = {"from": current, "to": new, "accumulation": state.accumulation_at(new)}
         self.session.emit("micro_batch_changed", **details, reason=reason)
+
+    def _stop_asked(self) -> str | None:
+        """A stop asked of this rank while it waits for the others: a signal, or the stop control
+        (which the boundary would drain; a rank that waits reaches none)."""
+        return self.boundary.signalled() or ("requested" if self.hub.controls.has("stop") else None)
+
+    def _waiting(self, ranks: list[int], waited: float) -> None:
+        self.session.emit("rank_waiting", ranks=ranks, at=self.state.steps + 1, waited_s=round(waited))
 
     def _queue_asked(self) -> None:
         """Controls asked of this rank: for the next exchange (what this run refuses, answered now)."""

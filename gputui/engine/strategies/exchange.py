@@ -8,6 +8,7 @@ slot says how its value travels (`Kind`), so encoding and decoding are one loop 
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ from ...telemetry.controls import ACTIONS, Control
 from ...telemetry.sample import RankMemory
 from ..result import Agreed, Failure
 from .group import collective
+
+_exchanges = itertools.count()  # this process's exchanges: the same count on every rank, every fit alike
+
+
+def _wait(work: Any, seq: int) -> None:
+    collective(work.wait)
+
 
 _NONE = 0x7FF80000DEADBEEF  # a float not known: a NaN no arithmetic makes (torch's NaN has no payload)
 
@@ -119,9 +127,10 @@ class Agreement:
     asked of it) and what the last exchange told every rank (the ranks' rows, the controls every rank
     applies, the job's micro-batch and batches)."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
         self.rank, self.world_size = rank, world_size
-        self.device = device  # where the vector lives: the GPU under nccl, else the CPU
+        self.group = group  # the exchange's: the default group, or a gloo one beside nccl (a CPU vector)
+        self.wait: Callable[[Any, int], None] = _wait  # how a rank waits for it: the strategy's Waiter
         self.failure: Failure | None = None
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
@@ -212,10 +221,8 @@ class Agreement:
             "thrashing": thrashing,
         }
         counts = [len(asked.get(key, ())) for key in CONTROLS]
-        tensor = torch.tensor(
-            encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64, device=self.device
-        )
-        collective(dist.all_reduce, tensor)
+        tensor = torch.tensor(encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64)
+        self.wait(dist.all_reduce(tensor, group=self.group, async_op=True), next(_exchanges))
         summed = decode(tensor.tolist(), self.world_size)
         for (action, value), count in zip(CONTROLS, summed.controls, strict=True):
             local = asked.get((action, value), [])

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..result import FitError
-from .group import collective, distributed_sampler, job_id, join, warn_sampler
+from .group import collective, distributed_sampler, exchange_group, job_id, join, warn_sampler
 from .verdict import VERDICT_RANKS, Verdict, arrival, reachable, tensors, with_verdict
 
 UNUSED = (
@@ -48,9 +48,12 @@ class Distributed:
         shard: bool = False,
         blocks: Sequence[nn.Module] = (),
         optimizer: torch.optim.Optimizer | None = None,
+        rank_timeout: float,
     ) -> None:
-        join(device)
+        join(device, rank_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank_timeout = rank_timeout  # how long a rank waits for the others before it gives up
+        self.exchange_group = exchange_group(rank_timeout)
         self._verdict = Verdict(self.world_size)  # this rank's verdict on its synced backward, and every rank's
         self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
         self._buffer_sync: tuple[str, bool] | None = None
