@@ -211,8 +211,10 @@ class Recovery:
         )
 
     def others_failed(self, ranks: list[int]) -> FitError:
+        """`ranks`: those the verdict could name (below its dtype's bits), maybe none."""
+        who = f"rank {', '.join(map(str, ranks))}" if ranks else "another rank"
         return FitError(
-            f"rank {', '.join(map(str, ranks))} stopped at step {self.state.steps + 1} (in the synced backward): "
+            f"{who} stopped at step {self.state.steps + 1} (in the synced backward): "
             "every rank stops; that rank's output says why"
         )
 

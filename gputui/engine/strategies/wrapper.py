@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from ..result import FitError
 from .group import collective, distributed_sampler, exchange_group, job_id, join, warn_sampler
-from .verdict import VERDICT_RANKS, Verdict, arrival, reachable, tensors, with_verdict
+from .verdict import MASKED_RANKS, Verdict, arrival, reachable, tensors, with_verdict
 
 UNUSED = (
     "some parameters got no gradient in this step, so DDP could not finish its reduction, and fit wrapped "
@@ -182,7 +182,7 @@ class Distributed:
     def failed_synced(self, fatal: bool) -> bool:
         """This rank's synced step failed, before its buckets are completed: the last one carries it.
         False when the last bucket went out before the failure (the others cannot hear of it now)."""
-        bit = 1 << self.rank if self.rank < VERDICT_RANKS else 0
+        bit = 1 << self.rank if self.rank < MASKED_RANKS else 0
         self._verdict.mine = [1, int(fatal), bit]
         return not (self.ours and self._verdict.sent)
 
@@ -194,11 +194,13 @@ class Distributed:
             if summed is None:  # the bucket of a parameter that got no gradient never went out
                 raise FitError(f"rank {self.rank}: {UNUSED}")
             failures, fatals, ranks = (round(x) for x in summed.tolist())
+            bits = self._verdict.bits
         else:
             tensor = torch.tensor(self._verdict.mine, dtype=torch.int64, device=self.device)
             collective(dist.all_reduce, tensor)
             failures, fatals, ranks = tensor.tolist()
-        return failures, fatals, [r for r in range(min(self.world_size, VERDICT_RANKS)) if ranks >> r & 1]
+            bits = MASKED_RANKS
+        return failures, fatals, [r for r in range(min(self.world_size, bits)) if ranks >> r & 1]
 
     def rebuild_buckets(self) -> None:
         """DDP rebuilds its buckets (rank 0 broadcasts their order) in the first forward after the first
