@@ -74,6 +74,12 @@ def token_step(model, batch):
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
 
+def wide_batches():  # 2 global batches of 16: 8 a rank
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    return [(x[s : s + 16], y[s : s + 16]) for s in (0, 16)]
+
+
 def count_tokens(batch):
     return (batch["labels"] != -100).sum()
 """
@@ -257,6 +263,11 @@ for name in sys.argv[3:]:
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size),
             memory_budget=os.environ["BUDGET"] if rank == 1 else None)
+    elif name.startswith("planned-"):  # 8 samples a rank; rank 1's budget fits fewer: the planner picks
+        import common
+        wide = [(x[8 * rank : 8 * rank + 8], y[8 * rank : 8 * rank + 8]) for x, y in common.wide_batches()]
+        run(name, wide, micro_batch="auto" if name == "planned-auto" else None,
+            memory_budget=os.environ["PLANNED_BUDGET"] if rank == 1 else None)
     elif name == "local-recover":  # rank 1's budget fits micro-batch 1, not its no_sync backward at 2
         run(name, mine, micro_batch=2, memory_budget=os.environ["LOCAL_BUDGET"] if rank == 1 else None)
     elif name.startswith(("sync-", "wrapped-sync-")):  # rank 1's budget fits its forward at 4, not its synced backward
@@ -569,6 +580,40 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     assert [r["steps"] for r in fatal] == [0, 0]
     assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
     assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
+
+
+def test_the_planners_pick_is_agreed_after_an_oom_and_with_auto(tmp_path):
+    """Rank 1's budget fits 5 of its 8 samples: after its OOM it retries at the planner's pick for its
+    share (5, not half), and rank 0 takes it at the next boundary (the smallest pick any rank made);
+    with micro_batch="auto" each rank picks at start (rank 0, unbounded, its whole share) and both
+    run rank 1's from the next boundary. The weights equal one process's on the global batches."""
+    out = launch(tmp_path, "fit-group", "planned-None", "planned-auto", env={"PLANNED_BUDGET": "1140B"})
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    model = namespace["make_model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in namespace["wide_batches"]():
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    expected = model.state_dict()
+    for name in ("planned-None", "planned-auto"):
+        for record, state in zip(records(out, name), weights(out, name), strict=True):
+            assert (record["steps"], record.get("error")) == (2, None), (name, record)
+            assert_close(state, expected)
+    planned = records(out, "planned-None")
+    assert [o[3] for o in planned[1]["ooms"]] == [5], planned[1]["ooms"]
+    assert planned[0]["ooms"] == []
+    changed = [e for e in planned[0]["events"] if e[0] == "micro_batch_changed"]
+    assert changed == [["micro_batch_changed", 1, 5]], "rank 0 took rank 1's pick at the next boundary"
+    auto = records(out, "planned-auto")
+    assert auto[1]["ooms"] == [] and [e for e in auto[1]["events"] if e[0] == "micro_batch_changed"] == [
+        ["micro_batch_changed", 0, 5]
+    ]
+    assert [e for e in auto[0]["events"] if e[0] == "micro_batch_changed"] == [
+        ["micro_batch_changed", 0, 8],
+        ["micro_batch_changed", 1, 5],
+    ]
 
 
 def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):

@@ -250,9 +250,10 @@ class Ddp:
     def train(self, batch: Any, has_next: HasNext) -> bool | None:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
         another batch this epoch. An OOM before the exchange (a forward, a no_sync backward) is this
-        rank's alone: it replays its share at half the micro-batch while the others wait in the
-        exchange. An OOM in the synced backward is replayed by every rank (the failing one at half
-        its micro-batch). What cannot be recovered ends the run on every rank (FitError)."""
+        rank's alone: it replays its share at the planner's pick (or half) while the others wait in
+        the exchange. An OOM in the synced backward is replayed by every rank (the failing one at its
+        pick); the next boundary brings every rank to the smallest pick. What cannot be recovered ends
+        the run on every rank (FitError)."""
         d, recovery = self.group, self.recovery
         more = has_next()
         self.generators.start()
@@ -271,7 +272,7 @@ class Ddp:
                         last = Forwarded(None, 0, 0, None, outcome)
                         break
                     recovery.drop_step()  # this rank's no_sync gradients, draws and running statistics
-                    said = recovery.alone(outcome, attempt, d.rank)
+                    said = recovery.alone(outcome, attempt, d.rank, batch)
                     if said is not None:
                         self.agreement.failure = Failure(said, oom=True)
                     attempt += 1
@@ -285,8 +286,8 @@ class Ddp:
                 if done:
                     return agreed.all_have_next
                 recovery.drop_step()  # every rank: the step's gradients, draws and running statistics
-                if oom is not None:
-                    recovery.recover(oom, attempt)  # halves: _synced checked that it can
+                if oom is not None:  # the planner's pick for this rank's share, or half (_synced checked it can)
+                    recovery.recover(oom, attempt, batch)
         finally:
             self.generators.end()
 
