@@ -268,6 +268,24 @@ for name in sys.argv[3:]:
         wide = [(x[8 * rank : 8 * rank + 8], y[8 * rank : 8 * rank + 8]) for x, y in common.wide_batches()]
         run(name, wide, micro_batch="auto" if name == "planned-auto" else None,
             memory_budget=os.environ["PLANNED_BUDGET"] if rank == 1 else None)
+    elif name == "order":  # what fit's own collectives are, and when, against the step's forwards
+        from gputui.engine.strategies.exchange import Agreement
+        log = []
+        real_all_reduce, real_finish = dist.all_reduce, Agreement.finish
+        def all_reduce(tensor, *args, async_op=False, **kw):
+            log.append(["all_reduce", str(tensor.dtype), tensor.numel(), async_op])
+            return real_all_reduce(tensor, *args, async_op=async_op, **kw)
+        def finish(self):
+            log.append(["wait"])
+            return real_finish(self)
+        def logged(model, batch, plain=step):
+            log.append(["forward"])
+            return plain(model, batch)
+        dist.all_reduce, Agreement.finish, plain, step = all_reduce, finish, step, logged
+        run(name, mine, micro_batch=2)
+        dist.all_reduce, Agreement.finish, step = real_all_reduce, real_finish, plain
+        with open(os.path.join(out, f"order.{rank}.log.json"), "w") as f:
+            json.dump(log, f)
     elif name == "local-recover":  # rank 1's budget fits micro-batch 1, not its no_sync backward at 2
         run(name, mine, micro_batch=2, memory_budget=os.environ["LOCAL_BUDGET"] if rank == 1 else None)
     elif name.startswith(("sync-", "wrapped-sync-")):  # rank 1's budget fits its forward at 4, not its synced backward
@@ -529,8 +547,8 @@ def test_single_process_is_unchanged():
 def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     """Rank 1 alone runs out of memory, and every run ends equal to the one-process reference:
     - in the model's forward, or in a no_sync backward (its budget fits micro-batch 1, not 2):
-      before its first collective of the step, so it replays its share alone at half the
-      micro-batch while rank 0 waits in the exchange (rank 0 runs step() once a micro-batch);
+      before its first gradient collective of the step, so it replays its share alone at half the
+      micro-batch while rank 0 waits in the synced backward (rank 0 runs step() once a micro-batch);
     - in the loss, after DDP's synced forward returned (DDP awaits that backward), or in the synced
       backward (its budget fits the forward at 4): rank 1 completes the gradient buckets with
       zeros, the step is agreed invalid and both replay it (rank 1 at half its micro-batch). The
@@ -560,13 +578,15 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
         assert both[0]["ooms"] == [], name
         # Rank 0's screen hears of rank 1's OOM, once: at the first exchange where rank 1 says it had one.
         assert [e[0] for e in both[0]["events"] if e[0] == "rank_oom_recovered"] == ["rank_oom_recovered"], name
-    # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces); rank 0 trains
-    # its first batch whole (and again when rank 1's failure came after DDP's forward), then aligns
-    # with rank 1 from step 2 on (2 + 2 pieces).
-    assert [r["calls"] for r in records(out, "raise-in-model")] == [5, 6]
+    # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces). Rank 0 trains
+    # its first two batches whole where rank 1 recovered alone: rank 1 says its micro-batch at step 2's
+    # exchange (step 1's went out as the step began), so rank 0 aligns from step 3 on (2 pieces); where
+    # rank 1's failure came after DDP's forward, both replay step 1 (rank 0 whole, again) with an
+    # exchange of its own, so rank 0 aligns from step 2 on (2 + 2 pieces).
+    assert [r["calls"] for r in records(out, "raise-in-model")] == [4, 6]
     assert [r["calls"] for r in records(out, "raise-in-loss")] == [6, 6]
     aligned = [e for e in records(out, "raise-in-model")[0]["events"] if e[0] == "micro_batch_changed"]
-    assert aligned == [["micro_batch_changed", 1, 2]], "rank 0 aligned with rank 1 at the next boundary"
+    assert aligned == [["micro_batch_changed", 2, 2]], "rank 0 aligned with rank 1 a step later"
 
     # The script's DDP with BatchNorm and its buffer sync on: rank 1 replays step 2 alone; its DDP forward
     # does not broadcast the buffers a second time (fit broadcasts them once a step, after the backward).
@@ -614,6 +634,30 @@ def test_the_planners_pick_is_agreed_after_an_oom_and_with_auto(tmp_path):
         ["micro_batch_changed", 0, 8],
         ["micro_batch_changed", 1, 5],
     ]
+
+
+def test_the_exchange_goes_on_while_a_rank_runs_its_forwards(tmp_path):
+    """Each step's exchange is an asynchronous collective started before the step's first forward and
+    waited for after its last, before the synced backward: a rank blocks on it only when the other
+    is more than its forwards behind. Fit adds no blocking collective of its own to a step (DDP's
+    buckets and the verdict with the last one are asynchronous, as DDP's own hook)."""
+    out = launch(tmp_path, "fit-group", "order")
+    for rank in (0, 1):
+        log = json.loads((out / f"order.{rank}.log.json").read_text())
+        assert not [c for c in log if c[0] == "all_reduce" and not c[3]], "a blocking all_reduce"
+        steps, current = [], None
+        for call in log:
+            if call[0] == "all_reduce" and call[1] == "torch.int64":  # the exchange's vector
+                current = []
+                steps.append(current)
+            if current is not None:
+                current.append(call[0])
+        # 3 steps of 2 micro-batches (rank 1's last batch has 1 sample), then the closing exchange.
+        assert len(steps) == 4, log
+        for calls in steps[:3]:
+            assert calls[0] == "all_reduce" and calls[1] == "forward", calls
+            assert calls.index("wait") == len(calls) - 1 - calls[::-1].index("forward") + 1, calls
+        assert steps[3] == ["all_reduce", "wait"]
 
 
 def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):

@@ -174,6 +174,17 @@ class Distributed:
         if missing:
             torch.autograd.backward(missing, grad_tensors=[torch.zeros_like(p) for p in missing])
 
+    @property
+    def can_rescue(self) -> bool:
+        """Whether a rank that failed before its synced backward can still complete DDP's buckets (a
+        reducer that finds unused parameters would look for them in a graph there is none of)."""
+        return not self.fsdp and not self.model.find_unused_parameters
+
+    def expect_backward(self) -> None:
+        """DDP's reducer awaits this rank's synced backward, as after its synced forward (which a
+        rank failed before may not have reached), so complete_buckets() reduces every bucket."""
+        self.model.reducer.prepare_for_backward([])
+
     def begin_synced(self) -> None:
         """Before the synced backward: no gradient taken yet, nothing failed."""
         self.arrived.clear()
