@@ -54,8 +54,8 @@ class Distributed:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.rank_timeout = rank_timeout  # how long a rank waits for the others before it gives up
         self.exchange_group = exchange_group(rank_timeout)
+        self._on_buckets = False  # the verdict rides on DDP's last bucket (else: a CPU all_reduce of its own)
         self._verdict = Verdict(self.world_size)  # this rank's verdict on its synced backward, and every rank's
-        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
         self._buffer_sync: tuple[str, bool] | None = None
         self.model: Any
         self.fsdp = shard or isinstance(model, FSDPModule)
@@ -81,7 +81,11 @@ class Distributed:
             # The hook's state holds the verdicts alone: DDP's reducer keeps it in C++, where the
             # garbage collector cannot see a cycle, and one back to the wrapper kept it alive after
             # fit with its gradient buckets (a copy of every gradient) for the life of the process.
-            self.model.register_comm_hook(self._verdict, with_verdict)
+            # Under NCCL the verdict goes on the CPU instead, beside the exchange: read from a GPU bucket
+            # it would make every step wait for the device.
+            self._on_buckets = self.exchange_group is None
+            if self._on_buckets:
+                self.model.register_comm_hook(self._verdict, with_verdict)
         if not self.fsdp:
             self.inner: nn.Module = self.model.module
             synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
@@ -195,20 +199,20 @@ class Distributed:
         False when the last bucket went out before the failure (the others cannot hear of it now)."""
         bit = 1 << self.rank if self.rank < MASKED_RANKS else 0
         self._verdict.mine = [1, int(fatal), bit]
-        return not (self.ours and self._verdict.sent)
+        return not (self._on_buckets and self._verdict.sent)
 
     def agree_valid(self) -> tuple[int, int, list[int]]:
         """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
-        if self.ours:
+        if self._on_buckets:
             summed = self._verdict.summed
             if summed is None:  # the bucket of a parameter that got no gradient never went out
                 raise FitError(f"rank {self.rank}: {UNUSED}")
             failures, fatals, ranks = (round(x) for x in summed.tolist())
             bits = self._verdict.bits
         else:
-            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64, device=self.device)
-            collective(dist.all_reduce, tensor)
+            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64)  # on the CPU: no wait for the device
+            collective(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.exchange_group)
             failures, fatals, ranks = tensor.tolist()
             bits = MASKED_RANKS
         return failures, fatals, [r for r in range(min(self.world_size, bits)) if ranks >> r & 1]
