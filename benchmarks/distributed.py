@@ -104,9 +104,11 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"What fit adds a step ({p['steps']} steps of {p['workload']} through fit alone, rank 0, each call's "
-        f"median): {per_step or 'no collective'}; the exchange took {harness.spread(p['exchange_us'])} us a "
-        f"step and agree_valid {harness.spread(p['agree_valid_us'])} us, waiting for the other rank included. "
-        "The verdict of the synced backward rides with DDP's last gradient bucket (an all_reduce of 3 "
+        f"median): {per_step or 'no collective'}; waiting for the exchange (started as the step began) took "
+        f"{harness.spread(p.get('finish_us', {}))} us a step and agree_valid "
+        f"{harness.spread(p.get('agree_valid_us', {}))} us, "
+        "waiting for the other rank included. "
+        "Under gloo the verdict of the synced backward rides with DDP's last gradient bucket (an all_reduce of 3 "
         "elements issued by fit's comm hook with it), counted above where it goes through dist.all_reduce.",
     ]
     return "\n".join(lines)
@@ -223,8 +225,8 @@ def probe(name: str, steps: int) -> dict[str, Any]:
     from gputui.engine.strategies.wrapper import Distributed
 
     calls: list[tuple[str, int, str, float]] = []
-    methods: dict[str, list[float]] = {"exchange": [], "agree_valid": []}
-    owners = {"exchange": Agreement, "agree_valid": Distributed}
+    methods: dict[str, list[float]] = {"finish": [], "agree_valid": []}
+    owners = {"finish": Agreement, "agree_valid": Distributed}
 
     def timed(fn: Any, note: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -245,7 +247,7 @@ def probe(name: str, steps: int) -> dict[str, Any]:
         return note
 
     originals = {kind: getattr(dist, kind) for kind in ("all_reduce", "broadcast")}
-    own = {kind: getattr(owners[kind], kind) for kind in methods}
+    own = {kind: getattr(owners[kind], kind) for kind in methods if hasattr(owners[kind], kind)}  # older: none
     for kind, fn in originals.items():
         setattr(dist, kind, timed(fn, collective(kind)))
     for kind, fn in own.items():

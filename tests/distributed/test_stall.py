@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import json, os, signal, sys
+import json, os, signal, sys, time
 import torch
 from torch import nn
 import gputui
@@ -35,13 +35,25 @@ rank = int(os.environ["RANK"])
 
 class Stall(Sink):
     def on_sample(self, sample):
-        if rank == 1 and sample.step == 3:  # rank 1 stops answering after its step 3
+        if rank == 1 and sample.step == 3 and not inside:  # rank 1 stops answering after its step 3
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def on_event(self, event):
         if event.name == "rank_waiting":
             with open(os.path.join(out, f"waiting.{rank}"), "a") as f:
                 f.write(json.dumps({"step": event.step, **event.details}) + "\\n")
+
+
+inside = os.environ.get("INSIDE") == "1"  # rank 1 stops inside step 4's forward instead
+calls = []
+
+
+def step(model, batch):
+    calls.append(1)
+    if rank == 1 and inside and len(calls) == 4:  # its exchange done: rank 0 waits in DDP's backward
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 hub = for_process(sys.stdout)  # the hub fit will use (with its progress line)
@@ -53,8 +65,7 @@ model = nn.Linear(4, 1)
 data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(1000)]
 record = {}
 try:
-    gputui.fit(model, data, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), torch.optim.SGD(model.parameters()),
-               rank_timeout=float(os.environ["RANK_TIMEOUT"]))
+    gputui.fit(model, data, step, torch.optim.SGD(model.parameters()), rank_timeout=float(os.environ["RANK_TIMEOUT"]))
 except gputui.FitError as exc:
     record["error"] = str(exc)
 finally:  # the script's own save
@@ -83,7 +94,7 @@ def launched(tmp_path: Path) -> Iterator[Any]:
     """Start a launch with the given rank_timeout; torchrun and both ranks are killed at the end."""
     jobs: list[subprocess.Popen[bytes]] = []
 
-    def launch(rank_timeout: float) -> tuple[Path, Path]:
+    def launch(rank_timeout: float, inside: bool = False) -> tuple[Path, Path]:
         (tmp_path / "script.py").write_text(SCRIPT)
         out = tmp_path / "out"
         out.mkdir()
@@ -93,6 +104,7 @@ def launched(tmp_path: Path) -> Iterator[Any]:
             "PYTHONPATH": str(ROOT),
             "RANK_TIMEOUT": str(rank_timeout),
             "GPUTUI_RANK_WAITING_S": "1",
+            "INSIDE": "1" if inside else "0",
         }
         log = tmp_path / "log.txt"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -107,7 +119,8 @@ def launched(tmp_path: Path) -> Iterator[Any]:
                     start_new_session=True,
                 )
             )
-        until(lambda: (out / "waiting.0").exists(), "rank 0 says it waits")
+        if not inside:
+            until(lambda: (out / "waiting.0").exists(), "rank 0 says it waits")
         return out, log
 
     yield launch
@@ -143,3 +156,15 @@ def test_a_ctrl_c_ends_the_wait_at_once_with_the_save(launched):
     error = json.loads((out / "record.0.json").read_text())["error"]
     assert error.startswith("rank 0 stopped (interrupted) while waiting for rank 1, which stopped answering at step 4")
     assert (out / "saved.0.pt").exists()
+
+
+def test_a_rank_stalled_inside_its_step_ends_the_others_at_rank_timeout(launched):
+    """Rank 1 stops after its exchange went out: rank 0 waits in DDP's gradient all-reduce, which
+    cannot be waited on in slices (nothing is said meanwhile), and the group's timeout (rank_timeout,
+    the group fit made) ends it with a FitError, not a failed backward to rescue; it exits at once."""
+    out, _ = launched(rank_timeout=6, inside=True)
+    until(lambda: (out / "pid.0").exists() and (out / "pid.1").exists(), "both ranks start")
+    until(lambda: ended(pid(out, 0)), "rank 0 ends at its rank_timeout")
+    error = json.loads((out / "record.0.json").read_text())["error"]
+    assert error.startswith("rank 0 lost the other ranks"), error
+    assert (out / "saved.0.pt").exists() and not (out / "waiting.0").exists()

@@ -20,6 +20,7 @@ from ...step.pieces import Progress
 from ..oom import OomInfo, cudnn_error, drop, is_oom
 from ..recovery import MAX_RETRIES
 from ..result import Agreed, Failure, FitError
+from .group import abandon, is_transport, lost_ranks
 from .rank import HasNext, Rank
 
 
@@ -163,6 +164,9 @@ class Ddp(Rank):
                 runner.backward(weighted)
             except Exception as exc:
                 oom = is_oom(exc)
+                if not oom and is_transport(exc):  # a rank stopped answering in DDP's all-reduce: at the timeout
+                    abandon(None)
+                    raise lost_ranks(exc) from None
                 message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
                 failed = OomInfo("backward", message, state.micro_batch_now(), state.baseline)
         fatal = False

@@ -64,7 +64,7 @@ def store() -> Any:
     return _get_default_store()
 
 
-def abandon(work: Any) -> None:
+def abandon(work: Any | None) -> None:
     """A collective this rank gives up on: its group and the collective are kept alive (leaked) until
     the process ends, for destroying either waits for the collective to finish or time out, and so
     would a process ending with them; and the group fit made is not destroyed at exit."""
@@ -73,6 +73,8 @@ def abandon(work: Any) -> None:
 
     _stuck = True
     for kept in (work, _get_default_group(), *(_side[1:] if _side is not None else ())):
+        if kept is None:  # no collective of fit's own (DDP's reducer holds the one given up on)
+            continue
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
