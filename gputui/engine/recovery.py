@@ -215,7 +215,7 @@ class Recovery:
         """`ranks`: those the verdict could name (below its dtype's bits), maybe none."""
         who = f"rank {', '.join(map(str, ranks))}" if ranks else "another rank"
         return FitError(
-            f"{who} stopped at step {self.state.steps + 1} (in the synced backward): "
+            f"{who} stopped at step {self.state.steps + 1} (said in the synced backward): "
             "every rank stops; that rank's output says why"
         )
 

@@ -598,7 +598,7 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
 
     fatal = records(out, "sync-fatal")
     assert [r["steps"] for r in fatal] == [0, 0]
-    assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
+    assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (said in the synced backward)")
     assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
 
 

@@ -113,9 +113,10 @@ def collective(op: Any, *args: Any) -> None:
 def lost_ranks(exc: BaseException) -> FitError:
     """The FitError of a rank whose collective failed because another rank left."""
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    rank = dist.get_rank()
+    who = f"rank {1 - rank}" if dist.get_world_size() == 2 else "one"  # of two, the other one
     return FitError(
-        f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
-        f"says why) [{message}]"
+        f"rank {rank} lost the other ranks ({who} was killed, crashed or timed out; its output says why) [{message}]"
     )
 
 
