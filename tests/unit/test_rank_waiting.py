@@ -199,6 +199,13 @@ def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
     assert describe(EVENT) == "waiting for rank 1 since step 4 (61s)"
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_the_waiting_threshold_is_a_positive_number(monkeypatch, value):
+    monkeypatch.setenv("GPUTUI_RANK_WAITING_S", value)
+    with pytest.raises(ValueError, match="GPUTUI_RANK_WAITING_S must be a positive number of seconds"):
+        waiting.waiting_threshold()
+
+
 def test_rank_timeout_is_a_positive_number():
     for bad in (0, -1, "600", True, float("inf")):
         with pytest.raises(ValueError, match="rank_timeout must be a positive number of seconds"):

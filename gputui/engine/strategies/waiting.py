@@ -5,6 +5,7 @@ after the run's `rank_timeout` instead of the transport's own (gloo's is 30 minu
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -35,10 +36,15 @@ _SLICE_ENDED = "Operation timed out!"  # Work.wait(timeout)'s word for a slice o
 def waiting_threshold() -> float:
     """The threshold of a `rank_waiting`, in seconds."""
     value = os.environ.get("GPUTUI_RANK_WAITING_S")
+    if not value:
+        return WAITING_S
     try:
-        return float(value) if value else WAITING_S
+        seconds = float(value)
     except ValueError:
-        raise ValueError(f"GPUTUI_RANK_WAITING_S must be a number of seconds, got {value!r}") from None
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"GPUTUI_RANK_WAITING_S must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 class Roll:
