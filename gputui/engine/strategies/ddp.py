@@ -166,7 +166,7 @@ class Ddp(Rank):
                 oom = is_oom(exc)
                 if not oom and is_transport(exc):  # a rank stopped answering in DDP's all-reduce: at the timeout
                     abandon(None)
-                    raise lost_ranks(exc) from None
+                    raise lost_ranks(exc, f" in the synced backward of step {state.steps + 1}") from None
                 message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
                 failed = OomInfo("backward", message, state.micro_batch_now(), state.baseline)
         fatal = False

@@ -110,14 +110,13 @@ def collective(op: Any, *args: Any) -> None:
         raise lost_ranks(exc) from None
 
 
-def lost_ranks(exc: BaseException) -> FitError:
-    """The FitError of a rank whose collective failed because another rank left."""
+def lost_ranks(exc: BaseException, where: str = "") -> FitError:
+    """The FitError of a rank whose collective failed because another rank left (`where`: " in ...")."""
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     rank = dist.get_rank()
     who = f"rank {1 - rank}" if dist.get_world_size() == 2 else "one"  # of two, the other one
-    return FitError(
-        f"rank {rank} lost the other ranks ({who} was killed, crashed or timed out; its output says why) [{message}]"
-    )
+    why = f"{who} was killed, crashed or timed out; its output says why"
+    return FitError(f"rank {rank} lost the other ranks{where} ({why}) [{message}]")
 
 
 def is_transport(exc: BaseException) -> bool:
@@ -125,7 +124,8 @@ def is_transport(exc: BaseException) -> bool:
     collective inside FSDP's forward or backward fails so, not through _collective."""
     text = str(exc)
     return type(exc).__name__.startswith("Dist") or any(
-        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
+        mark in text
+        for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer", "pair closure")
     )
 
 
