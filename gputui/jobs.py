@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from .telemetry.client import Connection, Welcome, wait_for_answer
 from .telemetry.controls import ACTIONS
-from .telemetry.describe import describe, plan_lines
+from .telemetry.describe import describe, plan_lines, waiting_text
 from .telemetry.paths import (
     ForeignPeer,
     Job,
@@ -139,6 +139,9 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     state = RunSummary.from_json(summary).outcome if summary else "starting" if info is None else "training"
     if state == "training" and hello.get("idle_since"):  # the script works outside a step (evaluates, saves)
         state = "between"
+    waiting = None if summary else _waiting(welcome)
+    if waiting is not None:
+        state = "waiting"
     data: dict[str, Any] = {
         "pid": job.pid,
         "script": os.path.basename(argv[0]),
@@ -152,6 +155,7 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
         "world_size": info.world_size if info else None,
         "job": info.job if info else None,
         "loss": None if latest is None else latest.loss,
+        "waiting": waiting,
         "uptime_s": round(time.time() - (hello.get("server_started") or time.time()), 1),
         "socket": job.path,
     }
@@ -163,9 +167,21 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
         script += f" rank {info.rank}/{info.world_size}"[:24]
     data["summary"] = (
         f"{job.pid:>7}  {script:<16} {(data['device'] or '-')[:20]:<8} {state:<9} "
-        f"{step:>11}  {format_duration(data['uptime_s']):>9}  {job.path}"
+        f"{step:>11}  {format_duration(data['uptime_s']):>9}  {job.path}" + (f"  ({waiting})" if waiting else "")
     )
     return data
+
+
+def _waiting(welcome: Welcome) -> str | None:
+    """What a torchrun rank waits for, where its last `rank_waiting` came after its last step."""
+    latest = welcome.latest
+    for record in reversed(welcome.events):
+        if record.get("name") == "rank_waiting":
+            event = Event.from_json(record)
+            if latest is None or event.step >= latest.step:  # counted on from when it was said
+                return waiting_text(event, float(event["waited_s"]) + max(0.0, time.time() - event.t))
+            return None
+    return None
 
 
 def _grouped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -84,8 +84,16 @@ class Core:
             from .strategies.wrapper import Distributed
 
             shard = o.distributed == "fsdp"
-            group = Distributed(model, device, data, shard=shard, blocks=checkpointing.blocks, optimizer=optimizer)
-            agreement = Agreement(group.rank, group.world_size, group.device)
+            group = Distributed(
+                model,
+                device,
+                data,
+                shard=shard,
+                blocks=checkpointing.blocks,
+                optimizer=optimizer,
+                rank_timeout=o.rank_timeout,
+            )
+            agreement = Agreement(group.rank, group.world_size, group.exchange_group)
             model = group.model
         self.user_model = model  # the script's, whatever wraps it: what a setting carried over belongs to
         self.model, self.group = model, group

@@ -39,6 +39,7 @@ def fit(
     items: Callable[[Any], Any] | None = None,
     planning: str = "auto",
     clip_grad_norm: float | None = None,
+    rank_timeout: float = 600.0,
 ) -> FitResult:
     """Train `model` on `data` with live remedies and OOM recovery; see the README for each argument.
 
@@ -53,6 +54,8 @@ def fit(
     "off" never (a trace runs step() once more: README, "The planner").
     `clip_grad_norm`: the largest total gradient norm; larger ones are scaled down to it after the last
     backward (unscaled first under fp16), before optimizer.step().
+    `rank_timeout`: under torchrun, the seconds a rank waits for the others before the run ends with a
+    FitError naming the ranks that stopped answering (README, "Under torchrun").
     """
     options = FitOptions(
         epochs=epochs,
@@ -73,6 +76,7 @@ def fit(
         items=items,
         planning=planning,
         clip_grad_norm=clip_grad_norm,
+        rank_timeout=rank_timeout,
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")

@@ -74,6 +74,7 @@ class FitOptions:
     items: Callable[[Any], Any] | None = None
     planning: str = "auto"
     clip_grad_norm: float | None = None
+    rank_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps"):
@@ -88,6 +89,9 @@ class FitOptions:
                 f"clip_grad_norm must be a positive number (the largest gradient norm; inf: measure it, never "
                 f"clip) or None, got {clip!r}"
             )
+        timeout = self.rank_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"rank_timeout must be a positive number of seconds, got {timeout!r}")
         if self.micro_batch != "auto":
             positive("micro_batch", self.micro_batch)
         if self.distributed not in ("auto", "off", "fsdp"):

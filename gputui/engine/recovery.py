@@ -80,8 +80,8 @@ class Recovery:
 
     def recover(self, oom: OomInfo, retries: int, batch: Any = None) -> bool:
         """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end.
-        With the batch (one process), the planner picks the largest micro-batch predicted to fit;
-        under torchrun every rank halves, which every rank can decide alike."""
+        With the batch, the planner picks the largest micro-batch predicted to fit (under torchrun this
+        rank's share: the exchange then brings every rank to the smallest pick); without it, halve."""
         state, session = self.state, self.session
         details: dict[str, Any] = {
             "phase": oom.phase,
@@ -181,11 +181,12 @@ class Recovery:
             )
 
     # -- under torchrun: the words every rank ends with ---------------------------------------
-    def alone(self, oom: OomInfo, attempt: int, rank: int) -> str | None:
-        """An OOM before this rank's first collective of the step: halved and replayed here, as one
-        process would (None); what one process would end with (micro-batch 1, the retry cap) is
-        returned, to be said at the exchange so every rank ends together. Auto-recover off ends the
-        run too: the others wait in a collective, and a process group's timeout is no time to think."""
+    def alone(self, oom: OomInfo, attempt: int, rank: int, batch: Any) -> str | None:
+        """An OOM before this rank's first collective of the step: replayed here at the planner's pick
+        for this rank's share (or half), as one process would (None); what one process would end with
+        (micro-batch 1, the retry cap) is returned, to be said at the exchange so every rank ends
+        together. Auto-recover off ends the run too: the others wait in a collective, and a process
+        group's timeout is no time to think."""
         try:
             if not self.state.auto_recover:
                 self.session.emit(
@@ -195,7 +196,7 @@ class Recovery:
                     f"out of memory in {oom.phase} at micro-batch {oom.micro_batch} with auto-recover off: under "
                     f"torchrun a rank cannot wait for a remedy while the others wait for it [{oom.message}]"
                 )
-            self.recover(oom, attempt)
+            self.recover(oom, attempt, batch)
         except FitError as exc:
             return f"rank {rank}, step {self.state.steps + 1}: {exc}"
         return None
@@ -211,8 +212,10 @@ class Recovery:
         )
 
     def others_failed(self, ranks: list[int]) -> FitError:
+        """`ranks`: those the verdict could name (below its dtype's bits), maybe none."""
+        who = f"rank {', '.join(map(str, ranks))}" if ranks else "another rank"
         return FitError(
-            f"rank {', '.join(map(str, ranks))} stopped at step {self.state.steps + 1} (in the synced backward): "
+            f"{who} stopped at step {self.state.steps + 1} (said in the synced backward): "
             "every rank stops; that rank's output says why"
         )
 
@@ -264,6 +267,19 @@ class Recovery:
         return FitError(
             f"a rank's data yielded no batch in epoch {self.state.epoch + 1} while others had some: each rank needs "
             "at least one (a DistributedSampler gives every rank the same number)"
+        )
+
+    def unanswered(self, rank: int, ranks: list[int], waited: float, stop: str | None, timeout: float) -> FitError:
+        """This rank gave up waiting for the others at the exchange: asked to stop, or at `rank_timeout`."""
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        at, waited_s = self.state.steps + 1, f"{waited:.0f} s"
+        if stop is not None:
+            return FitError(
+                f"rank {rank} stopped ({stop}) while waiting for {who}, which stopped answering at step {at} "
+                f"({waited_s})"
+            )
+        return FitError(
+            f"{who} stopped answering: rank {rank} waited {waited_s} for it at step {at} (rank_timeout={timeout:g})"
         )
 
     def no_items(self, everywhere: bool) -> FitError:

@@ -102,10 +102,12 @@ class Trainer:
         items: Callable[[Any], Any] | None = None,
         planning: str = "auto",
         clip_grad_norm: float | None = None,
+        rank_timeout: float = 600.0,
     ) -> None:
         positive("steps", steps)
         options = FitOptions(
             clip_grad_norm=clip_grad_norm,
+            rank_timeout=rank_timeout,
             scheduler=scheduler,
             micro_batch=micro_batch,
             amp=amp,

@@ -110,6 +110,13 @@ def plan_lines(e: Event) -> list[str]:
     return lines
 
 
+def waiting_text(e: Event, waited_s: float) -> str:
+    """A rank waiting for others at its exchange; `waited_s`: so far (the screen counts on from the event)."""
+    ranks = list(e["ranks"]) if isinstance(e["ranks"], (list, tuple)) else []
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "the other ranks"
+    return f"waiting for {who} since step {e['at']} ({float(waited_s):.0f}s)"
+
+
 def _eval(e: Event) -> str:
     value, items, ooms = number(e["value"]), number(e["items"]), number(e["ooms"])
     over = f"{items:.0f} items" if items is not None else f"{e['samples']} samples"
@@ -119,6 +126,7 @@ def _eval(e: Event) -> str:
 
 
 _TEXT: dict[str, Callable[[Event], str]] = {
+    "rank_waiting": lambda e: waiting_text(e, e["waited_s"]),
     "rank_oom_recovered": lambda e: (
         f"rank {e['rank']} recovered from an OOM ({e['ooms']} so far); it runs micro-batch {e['micro_batch']}"
     ),

@@ -9,6 +9,7 @@ from typing import Any
 EVENTS: dict[str, tuple[str, ...]] = {
     "oom_recovered": ("phase", "micro_batch", "micro_batch_to", "accumulation"),
     "rank_oom_recovered": ("rank", "ooms", "micro_batch"),
+    "rank_waiting": ("ranks", "at", "waited_s"),  # at: the step it waits in
     "oom": ("phase", "recovered"),
     "micro_batch_changed": ("from", "to", "accumulation"),
     "amp_changed": ("from", "to"),

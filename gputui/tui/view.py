@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
-from ..telemetry.describe import describe, number, plan_rows
+from ..telemetry.describe import describe, number, plan_rows, waiting_text
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
@@ -69,6 +69,7 @@ class RunView:
     stopping: bool = False
     signalled: str | None = None  # `gputui run` was signalled (why): its screen leaves once the script ends
     waiting_oom: Event | None = None
+    rank_waiting: Event | None = None  # under torchrun: this rank waits for others (until its next step)
     top: Event | None = None
     plan: Event | None = None  # the latest "plan" event: the what-if table (remedies bar, planner screen)
     evals: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))  # (step, value; NaN)
@@ -125,6 +126,7 @@ class RunView:
         self.runs = runs
         self.generation += 1
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = self.plan = None
+        self.rank_waiting = None
         self.ooms = self.skipped = 0
         self.series.clear()
         self.evals.clear()
@@ -136,6 +138,7 @@ class RunView:
         if self.first is None:
             self.first = s
         self.latest = s
+        self.rank_waiting = None  # the step it waited in is done
         self.samples_seen += 1
         self.series.add(s.step, s.loss, s.memory, s.grad_norm)
 
@@ -150,6 +153,8 @@ class RunView:
             self.waiting_oom = None
         elif e.name == "auto_recover_changed":
             self.auto_recover = bool(e["enabled"])
+        elif e.name == "rank_waiting":
+            self.rank_waiting = e
         elif e.name == "oom" and e.get("waiting"):
             self.waiting_oom = e
         elif e.name == "top_tensors":
@@ -307,6 +312,9 @@ class RunView:
             return "starting"
         if self.waiting_oom is not None:
             return "OOM: waiting"
+        if self.rank_waiting is not None:  # counted on from the event (the job says it once a threshold)
+            e = self.rank_waiting
+            return waiting_text(e, float(e["waited_s"]) + max(0.0, self.wall() - e.t))
         if self.stopping:
             return "stopping"
         if self.paused:
@@ -330,6 +338,8 @@ class RunView:
 
     @property
     def eta(self) -> float | None:
+        if self.rank_waiting is not None:  # no rate while the job waits for a rank
+            return None
         total, s = self.total_steps, self.latest
         if not total or s is None or not s.samples_per_s or not s.batch_size or not self.training:
             return None

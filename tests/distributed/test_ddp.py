@@ -73,6 +73,12 @@ def token_step(model, batch):
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
 
+def wide_batches():  # 2 global batches of 16: 8 a rank
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    return [(x[s : s + 16], y[s : s + 16]) for s in (0, 16)]
+
+
 def count_tokens(batch):
     return (batch["labels"] != -100).sum()
 """
@@ -256,6 +262,29 @@ for name in sys.argv[3:]:
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size),
             memory_budget=os.environ["BUDGET"] if rank == 1 else None)
+    elif name.startswith("planned-"):  # 8 samples a rank; rank 1's budget fits fewer: the planner picks
+        import common
+        wide = [(x[8 * rank : 8 * rank + 8], y[8 * rank : 8 * rank + 8]) for x, y in common.wide_batches()]
+        run(name, wide, micro_batch="auto" if name == "planned-auto" else None,
+            memory_budget=os.environ["PLANNED_BUDGET"] if rank == 1 else None)
+    elif name == "order":  # what fit's own collectives are, and when, against the step's forwards
+        from gputui.engine.strategies.exchange import Agreement
+        log = []
+        real_all_reduce, real_finish = dist.all_reduce, Agreement.finish
+        def all_reduce(tensor, *args, async_op=False, **kw):
+            log.append(["all_reduce", str(tensor.dtype), tensor.numel(), async_op])
+            return real_all_reduce(tensor, *args, async_op=async_op, **kw)
+        def finish(self):
+            log.append(["wait"])
+            return real_finish(self)
+        def logged(model, batch, plain=step):
+            log.append(["forward"])
+            return plain(model, batch)
+        dist.all_reduce, Agreement.finish, plain, step = all_reduce, finish, step, logged
+        run(name, mine, micro_batch=2)
+        dist.all_reduce, Agreement.finish, step = real_all_reduce, real_finish, plain
+        with open(os.path.join(out, f"order.{rank}.log.json"), "w") as f:
+            json.dump(log, f)
     elif name == "local-recover":  # rank 1's budget fits micro-batch 1, not its no_sync backward at 2
         run(name, mine, micro_batch=2, memory_budget=os.environ["LOCAL_BUDGET"] if rank == 1 else None)
     elif name.startswith(("sync-", "wrapped-sync-")):  # rank 1's budget fits its forward at 4, not its synced backward
@@ -512,8 +541,8 @@ def test_single_process_is_unchanged():
 def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
     """Rank 1 alone runs out of memory, and every run ends equal to the one-process reference:
     - in the model's forward, or in a no_sync backward (its budget fits micro-batch 1, not 2):
-      before its first collective of the step, so it replays its share alone at half the
-      micro-batch while rank 0 waits in the exchange (rank 0 runs step() once a micro-batch);
+      before its first gradient collective of the step, so it replays its share alone at half the
+      micro-batch while rank 0 waits in the synced backward (rank 0 runs step() once a micro-batch);
     - in the loss, after DDP's synced forward returned (DDP awaits that backward), or in the synced
       backward (its budget fits the forward at 4): rank 1 completes the gradient buckets with
       zeros, the step is agreed invalid and both replay it (rank 1 at half its micro-batch). The
@@ -543,13 +572,15 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
         assert both[0]["ooms"] == [], name
         # Rank 0's screen hears of rank 1's OOM, once: at the first exchange where rank 1 says it had one.
         assert [e[0] for e in both[0]["events"] if e[0] == "rank_oom_recovered"] == ["rank_oom_recovered"], name
-    # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces); rank 0 trains
-    # its first batch whole (and again when rank 1's failure came after DDP's forward), then aligns
-    # with rank 1 from step 2 on (2 + 2 pieces).
-    assert [r["calls"] for r in records(out, "raise-in-model")] == [5, 6]
+    # step() calls: rank 1 fails once, then trains at micro-batch 2 (2 + 2 + 1 pieces). Rank 0 trains
+    # its first two batches whole where rank 1 recovered alone: rank 1 says its micro-batch at step 2's
+    # exchange (step 1's went out as the step began), so rank 0 aligns from step 3 on (2 pieces); where
+    # rank 1's failure came after DDP's forward, both replay step 1 (rank 0 whole, again) with an
+    # exchange of its own, so rank 0 aligns from step 2 on (2 + 2 pieces).
+    assert [r["calls"] for r in records(out, "raise-in-model")] == [4, 6]
     assert [r["calls"] for r in records(out, "raise-in-loss")] == [6, 6]
     aligned = [e for e in records(out, "raise-in-model")[0]["events"] if e[0] == "micro_batch_changed"]
-    assert aligned == [["micro_batch_changed", 1, 2]], "rank 0 aligned with rank 1 at the next boundary"
+    assert aligned == [["micro_batch_changed", 2, 2]], "rank 0 aligned with rank 1 a step later"
 
     # The script's DDP with BatchNorm and its buffer sync on: rank 1 replays step 2 alone; its DDP forward
     # does not broadcast the buffers a second time (fit broadcasts them once a step, after the backward).
@@ -561,8 +592,66 @@ def test_ooms_on_one_rank_are_recovered_without_a_hang(tmp_path):
 
     fatal = records(out, "sync-fatal")
     assert [r["steps"] for r in fatal] == [0, 0]
-    assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (in the synced backward)")
+    assert fatal[0]["error"].startswith("rank 1 stopped at step 1 (said in the synced backward)")
     assert "in the synced backward at micro-batch 4 on rank 1, step 1" in fatal[1]["error"]
+
+
+def test_the_planners_pick_is_agreed_after_an_oom_and_with_auto(tmp_path):
+    """Rank 1's budget fits 5 of its 8 samples: after its OOM it retries at the planner's pick for its
+    share (5, not half), and rank 0 takes it at the next boundary (the smallest pick any rank made);
+    with micro_batch="auto" each rank picks at start (rank 0, unbounded, its whole share) and both
+    run rank 1's from the next boundary. The weights equal one process's on the global batches."""
+    out = launch(tmp_path, "fit-group", "planned-None", "planned-auto", env={"PLANNED_BUDGET": "1140B"})
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    model = namespace["make_model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in namespace["wide_batches"]():
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    expected = model.state_dict()
+    for name in ("planned-None", "planned-auto"):
+        for record, state in zip(records(out, name), weights(out, name), strict=True):
+            assert (record["steps"], record.get("error")) == (2, None), (name, record)
+            assert_close(state, expected)
+    planned = records(out, "planned-None")
+    assert [o[3] for o in planned[1]["ooms"]] == [5], planned[1]["ooms"]
+    assert planned[0]["ooms"] == []
+    changed = [e for e in planned[0]["events"] if e[0] == "micro_batch_changed"]
+    assert changed == [["micro_batch_changed", 1, 5]], "rank 0 took rank 1's pick at the next boundary"
+    auto = records(out, "planned-auto")
+    assert auto[1]["ooms"] == [] and [e for e in auto[1]["events"] if e[0] == "micro_batch_changed"] == [
+        ["micro_batch_changed", 0, 5]
+    ]
+    assert [e for e in auto[0]["events"] if e[0] == "micro_batch_changed"] == [
+        ["micro_batch_changed", 0, 8],
+        ["micro_batch_changed", 1, 5],
+    ]
+
+
+def test_the_exchange_goes_on_while_a_rank_runs_its_forwards(tmp_path):
+    """Each step's exchange is an asynchronous collective started before the step's first forward and
+    waited for after its last, before the synced backward: a rank blocks on it only when the other
+    is more than its forwards behind. Fit adds no blocking collective of its own to a step (DDP's
+    buckets and the verdict with the last one are asynchronous, as DDP's own hook)."""
+    out = launch(tmp_path, "fit-group", "order")
+    for rank in (0, 1):
+        log = json.loads((out / f"order.{rank}.log.json").read_text())
+        assert not [c for c in log if c[0] == "all_reduce" and not c[3]], "a blocking all_reduce"
+        steps, current = [], None
+        for call in log:
+            if call[0] == "all_reduce" and call[1] == "torch.int64":  # the exchange's vector
+                current = []
+                steps.append(current)
+            if current is not None:
+                current.append(call[0])
+        # 3 steps of 2 micro-batches (rank 1's last batch has 1 sample), then the closing exchange.
+        assert len(steps) == 4, log
+        for calls in steps[:3]:
+            assert calls[0] == "all_reduce" and calls[1] == "forward", calls
+            assert calls.index("wait") == len(calls) - 1 - calls[::-1].index("forward") + 1, calls
+        assert steps[3] == ["all_reduce", "wait"]
 
 
 def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):

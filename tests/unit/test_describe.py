@@ -11,6 +11,7 @@ EXAMPLES = {
     "oom_recovered": {"phase": "backward", "micro_batch": 8, "micro_batch_to": 4, "accumulation": 2},
     "oom": {"phase": "forward", "micro_batch": 1, "recovered": False},
     "rank_oom_recovered": {"rank": 1, "ooms": 1, "micro_batch": 4},
+    "rank_waiting": {"ranks": [1], "at": 4, "waited_s": 61},
     "micro_batch_changed": {"from": 8, "to": 4, "accumulation": 2},
     "amp_changed": {"from": "off", "to": "bf16"},
     "checkpointing_changed": {"enabled": True, "how": "3 Block modules"},

@@ -1,39 +1,27 @@
 """One rank of several under DistributedDataParallel.
 
 The rule that keeps a job from hanging: a rank handles an OOM alone only while it has issued no
-collective in the step. Its pieces but the last run under no_sync(), then the last one's forward;
-then the step's one exchange (exchange.py) says what every rank did; then the synced
-backward (an OOM there is rescued: this rank completes the buckets the others wait for, and every
-rank replays), the buffers' broadcast and optimizer.step().
+collective of the step's gradients. The step's exchange (exchange.py) starts as the step does (what a
+rank says is known then: its items, another batch, a stop, its last step's figures) and goes on
+while its pieces but the last run under no_sync(), then the last one's forward; it is waited for
+before the synced backward (an OOM there is rescued: this rank completes the buckets the others wait
+for, and every rank replays; a rank that can no longer train completes them too, and every rank
+stops), then the buffers' broadcast and optimizer.step().
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
 
 from ...step.pieces import Progress
-from ...telemetry.hub import Hub
-from ..boundary import Boundary
-from ..oom import Buffers, Generators, OomInfo, cudnn_error, drop, is_oom
-from ..recovery import MAX_RETRIES, Recovery
+from ..oom import OomInfo, cudnn_error, drop, is_oom
+from ..recovery import MAX_RETRIES
 from ..result import Agreed, Failure, FitError
-from ..runner import Runner
-from ..state import RunState
-from .exchange import Agreement
-from .wrapper import Distributed
-
-HasNext = Callable[[], bool]
-"""Whether this rank has another batch after the step's: asked once the step trains (it reads ahead)."""
-
-HEARTBEAT_S = 1.0
-"""While paused, the ranks exchange this often (far within any process group's timeout)."""
-
-PREVENT_AT = 0.9
-"""Under FSDP, the share of its capacity a rank's step peak may reach before every rank halves."""
+from .group import abandon, is_transport, lost_ranks
+from .rank import HasNext, Rank
 
 
 class Forwarded(NamedTuple):
@@ -47,195 +35,18 @@ class Forwarded(NamedTuple):
     oom: OomInfo | None
 
 
-class Ddp:
-    looks_ahead = True  # a step says whether every rank has another batch: each reads one ahead
-
-    def __init__(
-        self,
-        group: Distributed,
-        agreement: Agreement,
-        hub: Hub,
-        runner: Runner,
-        recovery: Recovery,
-        boundary: Boundary,
-        state: RunState,
-        generators: Generators,
-        buffers: Buffers,
-    ) -> None:
-        self.group, self.agreement, self.hub = group, agreement, hub
-        self.runner, self.recovery, self.boundary = runner, recovery, boundary
-        self.state, self.generators, self.buffers = state, generators, buffers
-        self.session = runner.session
-        self._cooling = 0  # steps before the OOM prevention looks at the peaks again
-        self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
-
-    @property
-    def ranks(self) -> Any:
-        return self.agreement.ranks
-
-    def start(self) -> None:
-        reason = self.recovery.no_budget_left()
-        if reason:
-            self.agreement.failure = Failure(reason, oom=True)  # said at the first exchange
-
-    def set_epoch(self, epoch: int) -> None:
-        self.group.set_epoch(epoch)  # a DistributedSampler shuffles by its epoch
-
-    def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, HasNext]]:
-        """(this rank's batch or None once its data ran out, whether it has another): the next batch is
-        read when the step's training begins (after its boundary: a stop there reads none), except for
-        the run's last step (`last()`), so the exchange can say whether every rank has more."""
-        end = object()
-        batches = iter(data)
-        batch = self._next(batches, end)
-        while True:
-            ahead: list[Any] = []
-
-            def has_next(batch: Any = batch, ahead: list[Any] = ahead) -> bool:
-                if not ahead:  # once a step, however many attempts ask
-                    ahead.append(end if last() or batch is end else self._next(batches, end))
-                return ahead[0] is not end
-
-            yield (None if batch is end else batch), has_next
-            has_next()
-            batch = ahead[0]
-
-    def _next(self, batches: Iterator[Any], end: object) -> Any:
-        """The next batch; one the data cannot give (a worker's error) is this rank's failure, said at
-        the exchange, instead of an exception the other ranks would wait on."""
-        d = self.group
-        if self.agreement.failure is not None:
-            return end
-        try:
-            return next(batches, end)
-        except Exception as exc:
-            self.agreement.failure = Failure(
-                f"{type(exc).__name__} on rank {d.rank} reading the data: {exc}", oom=False, error=exc
-            )
-            return end
-
-    def end(self, epochs_done: int) -> None:
-        """One closing exchange: a failure said after the last step (an optimizer.step() that failed
-        there) reaches every rank, which raise FitError together."""
-        self.group.set_epoch(epochs_done)  # a later fit on the same sampler goes on with the next shuffle
-        agreed = self.agreement.exchange(items=None, has_next=False, stop=None)
-        if agreed.fatal:
-            raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
-
-    # -- the boundary -----------------------------------------------------------------------
-    def at_boundary(self, batch: Any) -> bool:
-        """One rank's boundary: apply what the last exchange announced (every rank the same, so every
-        rank the same state), then keep what was requested here for the next exchange. A stop, a
-        signal or a control on one rank reaches the others there, one step later."""
-        state = self.state
-        self._align()
-        self._prevent()
-        self.boundary.apply_all(self.agreement.take_agreed())
-        while self.session.paused and state.stop_reason is None:
-            # Every rank paused at this boundary together: a heartbeat exchange a second keeps the
-            # process group within its timeout and brings a resume, a stop or a control from any rank.
-            self.hub.controls.wait(HEARTBEAT_S)
-            self._queue_asked()
-            self.exchange(here=True, has_next=True)
-            self.boundary.apply_all(self.agreement.take_agreed())
-        if state.stop_reason is not None:  # agreed at the last exchange
-            return False
-        self._queue_asked()
-        return True
-
-    def _align(self) -> None:
-        """Every rank to the smallest micro-batch setting any rank had at the last exchange."""
-        aligned = self.agreement.aligned()
-        state = self.state
-        if aligned is None or aligned[0] == state.micro_batch:
-            return
-        size, rank = aligned
-        current = state.micro_batch_now()
-        state.micro_batch = size
-        new = state.micro_batch_now()
-        if new != current:
-            details: dict[str, Any] = {"from": current, "to": new, "accumulation": state.accumulation_at(new)}
-            self.session.emit("micro_batch_changed", **details, reason=f"aligned with rank {rank}")
-
-    def _prevent(self) -> None:
-        """Halve every rank alike, from what the last exchange told every rank: when a rank's allocator
-        thrashed (the slow road to an OOM; a rank halving alone would leave the others' passes and
-        settings apart), and under FSDP, where an OOM mid-step ends the run, when a rank's step peak
-        reached PREVENT_AT of its capacity. Then two steps pass before it looks again (the exchange's
-        figures are a step late)."""
-        if self._cooling:
-            self._cooling -= 1
-            return
-        d, state = self.group, self.state
-        if not state.auto_recover or not self.agreement.ranks:
-            return
-        shares = [(r.peak / r.capacity, r.rank) for r in self.agreement.ranks if r.peak is not None and r.capacity]
-        share, rank = max(shares) if shares else (0.0, 0)
-        if self.agreement.thrashing:
-            reason = f"rank {self.agreement.thrashing[0]}'s allocator thrashing (retrying allocations step after step)"
-        elif d.fsdp and share >= PREVENT_AT:
-            reason = f"rank {rank}'s step peak at {share:.0%} of its capacity (under FSDP an OOM ends the run)"
-        else:
-            return
-        current, _ = self.agreement.job_sizes()
-        if not state.sizing.can_halve(current):
-            return
-        new = state.sizing.halved(current)
-        state.micro_batch, self._cooling = new, 2
-        self.agreement.resized(new)
-        details: dict[str, Any] = {"from": current, "to": new, "accumulation": state.accumulation_at(new)}
-        self.session.emit("micro_batch_changed", **details, reason=reason)
-
-    def _queue_asked(self) -> None:
-        """Controls asked of this rank: for the next exchange (what this run refuses, answered now)."""
-        outgoing = []
-        for control in self.hub.controls.drain():
-            if control.action in self.session.refused:
-                self.session.apply(control)  # refused with its reason, here and now
-            else:
-                outgoing.append(control)
-        self.agreement.queue(outgoing)
-
-    def exchange(self, *, here: bool, has_next: bool) -> Agreed:
-        """The exchange with what this rank says: its batch (`here`), a signal, its micro-batch and
-        batch, its last step's peak and capacity. A stop agreed there is this rank's from now on."""
-        d, state, recovery = self.group, self.state, self.recovery
-        signalled = self.boundary.signalled()
-        memory, latest = state.memory, self.hub.latest()
-        agreed = self.agreement.exchange(
-            items=state.units if here else None,
-            has_next=has_next,
-            stop=signalled,
-            micro_batch=state.micro_batch_now() if here else None,
-            setting=state.micro_batch,
-            batch=state.batch_size if here else None,
-            peak=memory.peak if memory is not None else None,
-            capacity=memory.capacity if memory is not None else None,
-            loss=state.loss,
-            samples_per_s=latest.samples_per_s if latest is not None else None,
-            ooms=state.ooms_recovered,
-            thrashing=recovery.thrashing,
-        )
-        recovery.thrashing = False  # said
-        if agreed.stop is not None and state.stop_reason is None:
-            state.stop_reason = signalled or agreed.stop
-        for (
-            r
-        ) in self.agreement.ranks:  # another rank's OOM, recovered alone: said here too (each screen shows one rank)
-            if r.rank != d.rank and r.ooms > self._ooms_seen.get(r.rank, 0):
-                self.session.emit("rank_oom_recovered", rank=r.rank, ooms=r.ooms, micro_batch=r.micro_batch)
-            self._ooms_seen[r.rank] = r.ooms
-        return agreed
-
+class Ddp(Rank):
     # -- one global batch -------------------------------------------------------------------
     def train(self, batch: Any, has_next: HasNext) -> bool | None:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
-        another batch this epoch. An OOM before the exchange (a forward, a no_sync backward) is this
-        rank's alone: it replays its share at half the micro-batch while the others wait in the
-        exchange. An OOM in the synced backward is replayed by every rank (the failing one at half
-        its micro-batch). What cannot be recovered ends the run on every rank (FitError)."""
+        another batch this epoch. An OOM before the synced backward (a forward, a no_sync backward) is
+        this rank's alone: it replays its share at the planner's pick (or half) while the others wait
+        in the synced backward. An OOM in the synced backward is replayed by every rank (the failing one at its
+        pick); the next boundary brings every rank to the smallest pick. What cannot be recovered ends
+        the run on every rank (FitError)."""
         d, recovery = self.group, self.recovery
         more = has_next()
+        early = d.can_rescue  # the exchange goes on while this rank runs its forwards
         self.generators.start()
         self.buffers.save()
         attempt = 0
@@ -243,6 +54,11 @@ class Ddp:
             while True:
                 attempt += 1
                 last = None
+                if early:
+                    if batch is not None:
+                        self._count_share(batch)
+                    self.start_exchange(here=batch is not None, has_next=more)
+                told = self.agreement.failure is not None  # in the exchange under way
                 while self.agreement.failure is None and batch is not None:
                     outcome = self._forward(batch)
                     if not isinstance(outcome, OomInfo):
@@ -252,24 +68,43 @@ class Ddp:
                         last = Forwarded(None, 0, 0, None, outcome)
                         break
                     recovery.drop_step()  # this rank's no_sync gradients, draws and running statistics
-                    said = recovery.alone(outcome, attempt, d.rank)
+                    said = recovery.alone(outcome, attempt, d.rank, batch)
                     if said is not None:
                         self.agreement.failure = Failure(said, oom=True)
                     attempt += 1
-                agreed = self.exchange(here=batch is not None, has_next=more)
+                if not early:
+                    self.start_exchange(here=batch is not None, has_next=more)
+                agreed = self.finish_exchange()
                 if agreed.fatal or not agreed.all_have_batch:
                     recovery.drop_step()
                     raise recovery.job_error(self.agreement.failure, agreed)
+                if self.agreement.failure is not None and not told:  # after the exchange went out
+                    raise self._failed_before_synced(agreed)
                 assert last is not None
                 done, oom = self._synced(agreed, last, attempt)
                 d.rebuild_buckets()
                 if done:
                     return agreed.all_have_next
                 recovery.drop_step()  # every rank: the step's gradients, draws and running statistics
-                if oom is not None:
-                    recovery.recover(oom, attempt)  # halves: _synced checked that it can
+                if oom is not None:  # the planner's pick for this rank's share, or half (_synced checked it can)
+                    recovery.recover(oom, attempt, batch)
         finally:
             self.generators.end()
+
+    def _failed_before_synced(self, agreed: Agreed) -> FitError:
+        """This rank cannot train its share, and the exchange went out before it knew: the others are in
+        the synced backward. It completes DDP's buckets with zeros, its verdict saying it cannot go on,
+        so every rank drops the step and stops there."""
+        d, recovery = self.group, self.recovery
+        failure = self.agreement.failure
+        assert failure is not None
+        d.begin_synced()
+        d.failed_synced(fatal=True)
+        d.expect_backward()
+        recovery.drop_step()
+        self._complete_buckets(None, failure.message)
+        d.agree_valid()  # the others read theirs: this one's says what they do
+        return recovery.job_error(failure, agreed)
 
     def _forward(self, batch: Any) -> Forwarded | OomInfo | None:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
@@ -329,6 +164,9 @@ class Ddp:
                 runner.backward(weighted)
             except Exception as exc:
                 oom = is_oom(exc)
+                if not oom and is_transport(exc):  # a rank stopped answering in DDP's all-reduce: at the timeout
+                    abandon(None)
+                    raise lost_ranks(exc, f" in the synced backward of step {state.steps + 1}") from None
                 message = drop(exc) if oom else f"{type(exc).__name__}: {drop(exc)}"
                 failed = OomInfo("backward", message, state.micro_batch_now(), state.baseline)
         fatal = False
@@ -392,6 +230,3 @@ class Ddp:
         finally:
             if tracker is not None:
                 tracker.budget = budget
-
-    def close(self) -> None:
-        self.group.close()

@@ -8,6 +8,7 @@ slot says how its value travels (`Kind`), so encoding and decoding are one loop 
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ from ...telemetry.controls import ACTIONS, Control
 from ...telemetry.sample import RankMemory
 from ..result import Agreed, Failure
 from .group import collective
+
+_exchanges = itertools.count()  # this process's exchanges: the same count on every rank, every fit alike
+
+
+def _wait(work: Any, seq: int) -> None:
+    collective(work.wait)
+
 
 _NONE = 0x7FF80000DEADBEEF  # a float not known: a NaN no arithmetic makes (torch's NaN has no payload)
 
@@ -119,9 +127,10 @@ class Agreement:
     asked of it) and what the last exchange told every rank (the ranks' rows, the controls every rank
     applies, the job's micro-batch and batches)."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
         self.rank, self.world_size = rank, world_size
-        self.device = device  # where the vector lives: the GPU under nccl, else the CPU
+        self.group = group  # the exchange's: the default group, or a gloo one beside nccl (a CPU vector)
+        self.wait: Callable[[Any, int], None] = _wait  # how a rank waits for it: the strategy's Waiter
         self.failure: Failure | None = None
         self._outgoing: list[Control] = []
         self._agreed: list[Control] = []
@@ -131,6 +140,7 @@ class Agreement:
         self._batches: list[int] = []  # every rank's batch at the last exchange
         self._resized: int | None = None  # the job's micro-batch as set at this boundary
         self.thrashing: list[int] = []  # the ranks whose allocator thrashed, as the last exchange said
+        self._pending: tuple[torch.Tensor, dict[tuple[str, Any], list[Control]], Any, int] | None = None
 
     def queue(self, controls: list[Control]) -> None:
         """Controls this rank drained at its boundary: the next exchange tells every rank."""
@@ -165,7 +175,17 @@ class Agreement:
         agreed, self._agreed = self._agreed, []
         return agreed
 
-    def exchange(
+    def exchange(self, **said: Any) -> Agreed:
+        """The exchange started and waited for at once (start() says what a rank says)."""
+        self.start(**said)
+        return self.finish()
+
+    @property
+    def pending(self) -> bool:
+        """An exchange started and not yet waited for."""
+        return self._pending is not None
+
+    def start(
         self,
         *,
         items: int | None,
@@ -180,8 +200,9 @@ class Agreement:
         samples_per_s: float | None = None,
         ooms: int = 0,
         thrashing: bool = False,
-    ) -> Agreed:
-        """The step's one collective before the synced backward; `items`: this rank's share of the
+    ) -> None:
+        """Start the step's one collective (asynchronous, on the CPU), waited for by finish() before the
+        synced backward; `items`: this rank's share of the
         global batch's items (samples, unless fit counts items), None: no batch here. Each rank also
         says its micro-batch (what it runs, and its setting: None for the whole batch) and its last
         step's peak and capacity, in a row of its own (declared above)."""
@@ -212,10 +233,17 @@ class Agreement:
             "thrashing": thrashing,
         }
         counts = [len(asked.get(key, ())) for key in CONTROLS]
-        tensor = torch.tensor(
-            encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64, device=self.device
-        )
-        collective(dist.all_reduce, tensor)
+        tensor = torch.tensor(encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._pending = (tensor, asked, work, next(_exchanges))
+
+    def finish(self) -> Agreed:
+        """Wait for the exchange started last (a CPU collective: it went on while this rank worked),
+        and keep what it says."""
+        assert self._pending is not None
+        tensor, asked, work, seq = self._pending
+        self._pending = None
+        self.wait(work, seq)
         summed = decode(tensor.tolist(), self.world_size)
         for (action, value), count in zip(CONTROLS, summed.controls, strict=True):
             local = asked.get((action, value), [])

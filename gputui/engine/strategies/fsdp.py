@@ -10,7 +10,7 @@ from typing import Any
 
 from ...step.pieces import Progress
 from ..oom import is_oom
-from ..result import Failure, FitError
+from ..result import FitError
 from .ddp import Ddp, HasNext
 from .group import abort, is_transport, lost_ranks
 
@@ -59,17 +59,6 @@ class Fsdp(Ddp):
     def _sync(self, last: bool) -> AbstractContextManager[Any]:
         self.group.gradient_sync(last)  # FSDP2's no_sync: off, a backward accumulates without reduce-scattering
         return nullcontext()
-
-    def _count_share(self, batch: Any) -> None:
-        """This rank's items for the exchange (its samples without `items`); a count that fails is this
-        rank's failure, said there, not an exception the other ranks would wait on."""
-        d, state = self.group, self.state
-        try:
-            state.units = self.runner.units(batch)
-        except Exception as exc:
-            message = str(exc) if isinstance(exc, FitError) else f"{type(exc).__name__}: {exc}"
-            where = f"rank {d.rank}, step {state.steps + 1}, counting items"
-            self.agreement.failure = Failure(f"{where}: {message}", oom=False, error=exc)
 
     def _failure(self, exc: Exception, phase: str, size: int) -> FitError:
         """This rank cannot complete the collectives the others are in: it leaves the group (a group

@@ -4,10 +4,12 @@ rank says when another left. Loaded only under torchrun (WORLD_SIZE > 1) or for 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -19,20 +21,61 @@ from ..result import FitError
 
 _warned_sampler = False
 _group_ours = False  # the default process group is one a fit made (this process's first, or after an abort)
+_stuck = False  # a collective was given up on: the group cannot be destroyed (it would wait for it)
+_side: tuple[Any, Any] | None = None  # (the default group, the gloo group made beside it under nccl)
 
 
-def join(device: torch.device) -> None:
-    """This rank in the default process group: the script's, or one fit makes (nccl on a GPU, gloo on
-    a CPU), destroyed when the process ends."""
+def join(device: torch.device, timeout_s: float) -> None:
+    """This rank in the default process group: the script's (with its own timeout), or one fit makes
+    (nccl on a GPU, gloo on a CPU) whose collectives give up after `timeout_s`, destroyed when the
+    process ends."""
     global _group_ours
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
         if not _group_ours:
             atexit.register(_destroy)  # the script made no group: ours goes when the process does
         _group_ours = True
+
+
+def exchange_group(timeout_s: float) -> Any:
+    """The group fit's exchange travels on: the default one under gloo; under nccl a gloo side group,
+    so the exchange is a CPU collective (no device copy, a wait that can be sliced); made once a
+    default group (every rank makes it at the same point: new_group is a collective)."""
+    global _side
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    if dist.get_backend() == "gloo":
+        return None
+    default = _get_default_group()
+    if _side is None or _side[0] is not default:
+        _side = (default, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+    return _side[1]
+
+
+def store() -> Any:
+    """The job's key-value store (torchrun's agent serves it): what the ranks can read of each other
+    while their collectives wait."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def abandon(work: Any | None) -> None:
+    """A collective this rank gives up on: its group and the collective are kept alive (leaked) until
+    the process ends, for destroying either waits for the collective to finish or time out, and so
+    would a process ending with them; and the group fit made is not destroyed at exit."""
+    global _stuck
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    _stuck = True
+    for kept in (work, _get_default_group(), *(_side[1:] if _side is not None else ())):
+        if kept is None:  # no collective of fit's own (DDP's reducer holds the one given up on)
+            continue
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
 def abort() -> None:
@@ -67,13 +110,13 @@ def collective(op: Any, *args: Any) -> None:
         raise lost_ranks(exc) from None
 
 
-def lost_ranks(exc: BaseException) -> FitError:
-    """The FitError of a rank whose collective failed because another rank left."""
+def lost_ranks(exc: BaseException, where: str = "") -> FitError:
+    """The FitError of a rank whose collective failed because another rank left (`where`: " in ...")."""
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return FitError(
-        f"rank {dist.get_rank()} lost the other ranks (one was killed, crashed or timed out; its output "
-        f"says why) [{message}]"
-    )
+    rank = dist.get_rank()
+    who = f"rank {1 - rank}" if dist.get_world_size() == 2 else "one"  # of two, the other one
+    why = f"{who} was killed, crashed or timed out; its output says why"
+    return FitError(f"rank {rank} lost the other ranks{where} ({why}) [{message}]")
 
 
 def is_transport(exc: BaseException) -> bool:
@@ -81,7 +124,8 @@ def is_transport(exc: BaseException) -> bool:
     collective inside FSDP's forward or backward fails so, not through _collective."""
     text = str(exc)
     return type(exc).__name__.startswith("Dist") or any(
-        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer")
+        mark in text
+        for mark in ("Connection closed", "Connection reset", "Timed out", "pair.cc", "unbound_buffer", "pair closure")
     )
 
 
@@ -114,6 +158,8 @@ def _destroy() -> None:
     (SIGABRT, "terminate called without an active exception") in about 1 launch in 10. Then the
     group's gloo workers finish what they hold (_let_workers_finish), even where the group went
     earlier (abort) or lives on in what still holds it (a sharded model, torch's DTensor caches)."""
+    if _stuck:  # a collective given up on: destroying the group would wait for it
+        return
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

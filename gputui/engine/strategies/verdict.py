@@ -4,47 +4,77 @@ failure (which parameters' gradients DDP took already, which ones the failed gra
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-VERDICT_RANKS = 24  # the verdict names the failing ranks below this one (float32 bits in a bucket)
+MASKED_RANKS = 62  # the int64 verdict of a script's DDP names the failing ranks below this one
+
+
+def rank_bits(dtype: torch.dtype) -> int:
+    """How many ranks a verdict in `dtype` can name, one bit each: summed powers of two stay exact up to
+    the mantissa's width (fp16's 1 << 16 would be inf, and 1 << 11 no longer exact)."""
+    if not dtype.is_floating_point:
+        return MASKED_RANKS
+    return min(round(-math.log2(torch.finfo(dtype).eps)) + 1, MASKED_RANKS)
 
 
 class Verdict:
     """This rank's verdict on its synced backward (failed, cannot go on, its bit) and every rank's
-    summed, as fit's DDP comm hook carries them; nothing else, so nothing leads back to the wrapper."""
+    summed, as fit's DDP comm hook carries them; nothing else, so nothing leads back to the wrapper.
+    The summed verdict lives in a buffer of the bucket's dtype and device made once, so a step copies
+    nothing to the device for it."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.clear()
 
     def clear(self) -> None:
         self.mine = [0, 0, 0]
         self.sent = False  # the step's last bucket went out, carrying `mine`
         self.summed: torch.Tensor | None = None
+        self.bits = MASKED_RANKS  # the ranks `summed` can name
+
+    def filled(self, like: torch.Tensor) -> torch.Tensor:
+        """`mine` in the buffer of `like`'s dtype and device: zeroed, or set element by element (a fill
+        each, no copy from the host) on a failure, the rank's bit only where the dtype holds it."""
+        key = (like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.zeros(3, dtype=like.dtype, device=like.device)
+        self.bits = rank_bits(like.dtype)
+        buffer.zero_()
+        failed, fatal, bit = self.mine
+        if failed:
+            buffer[0], buffer[1] = 1, fatal
+            if 0 < bit < 1 << self.bits:
+                buffer[2] = bit
+        return buffer
 
 
 def with_verdict(v, bucket):
-    """DDP's all-reduce of a bucket (the mean over the ranks, as its default hook), with each rank's
-    verdict on its synced backward appended to the last bucket of the step and summed with it.
-    Unannotated: DDP compares the annotations with its own types, and here they would be strings."""
+    """DDP's all-reduce of a bucket (the mean over the ranks, in place as its default hook), and on the
+    step's last bucket each rank's verdict on its synced backward, summed by an all_reduce of its own
+    issued with it (no bucket-sized copy to append it). Unannotated: DDP compares the annotations
+    with its own types, and here they would be strings."""
     if not bucket.is_last():
         return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
     buffer = bucket.buffer()
     v.sent = True
-    verdict = torch.tensor(v.mine, dtype=buffer.dtype, device=buffer.device)
-    joined = torch.cat([buffer / v.world_size, verdict])
-    size = buffer.numel()
+    verdict = v.filled(buffer)
+    summed = dist.all_reduce(buffer.div_(v.world_size), async_op=True).get_future()
+    said = dist.all_reduce(verdict, async_op=True).get_future()
 
-    def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        out = done.value()[0]
-        v.summed = out[size:]
-        return out[:size]
+    def both(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+        done.value()  # raises the error of either
+        v.summed = verdict
+        return summed.value()[0]
 
-    return dist.all_reduce(joined, async_op=True).get_future().then(split)
+    return torch.futures.collect_all([summed, said]).then(both)
 
 
 def arrival(arrived: set[int], index: int) -> Any:

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..result import FitError
-from .group import collective, distributed_sampler, job_id, join, warn_sampler
-from .verdict import VERDICT_RANKS, Verdict, arrival, reachable, tensors, with_verdict
+from .group import collective, distributed_sampler, exchange_group, job_id, join, warn_sampler
+from .verdict import MASKED_RANKS, Verdict, arrival, reachable, tensors, with_verdict
 
 UNUSED = (
     "some parameters got no gradient in this step, so DDP could not finish its reduction, and fit wrapped "
@@ -48,11 +48,14 @@ class Distributed:
         shard: bool = False,
         blocks: Sequence[nn.Module] = (),
         optimizer: torch.optim.Optimizer | None = None,
+        rank_timeout: float,
     ) -> None:
-        join(device)
+        join(device, rank_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank_timeout = rank_timeout  # how long a rank waits for the others before it gives up
+        self.exchange_group = exchange_group(rank_timeout)
+        self._on_buckets = False  # the verdict rides on DDP's last bucket (else: a CPU all_reduce of its own)
         self._verdict = Verdict(self.world_size)  # this rank's verdict on its synced backward, and every rank's
-        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the vector lives
         self._buffer_sync: tuple[str, bool] | None = None
         self.model: Any
         self.fsdp = shard or isinstance(model, FSDPModule)
@@ -78,7 +81,11 @@ class Distributed:
             # The hook's state holds the verdicts alone: DDP's reducer keeps it in C++, where the
             # garbage collector cannot see a cycle, and one back to the wrapper kept it alive after
             # fit with its gradient buckets (a copy of every gradient) for the life of the process.
-            self.model.register_comm_hook(self._verdict, with_verdict)
+            # Under NCCL the verdict goes on the CPU instead, beside the exchange: read from a GPU bucket
+            # it would make every step wait for the device.
+            self._on_buckets = self.exchange_group is None
+            if self._on_buckets:
+                self.model.register_comm_hook(self._verdict, with_verdict)
         if not self.fsdp:
             self.inner: nn.Module = self.model.module
             synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
@@ -171,6 +178,17 @@ class Distributed:
         if missing:
             torch.autograd.backward(missing, grad_tensors=[torch.zeros_like(p) for p in missing])
 
+    @property
+    def can_rescue(self) -> bool:
+        """Whether a rank that failed before its synced backward can still complete DDP's buckets (a
+        reducer that finds unused parameters would look for them in a graph there is none of)."""
+        return not self.fsdp and not self.model.find_unused_parameters
+
+    def expect_backward(self) -> None:
+        """DDP's reducer awaits this rank's synced backward, as after its synced forward (which a
+        rank failed before may not have reached), so complete_buckets() reduces every bucket."""
+        self.model.reducer.prepare_for_backward([])
+
     def begin_synced(self) -> None:
         """Before the synced backward: no gradient taken yet, nothing failed."""
         self.arrived.clear()
@@ -179,23 +197,25 @@ class Distributed:
     def failed_synced(self, fatal: bool) -> bool:
         """This rank's synced step failed, before its buckets are completed: the last one carries it.
         False when the last bucket went out before the failure (the others cannot hear of it now)."""
-        bit = 1 << self.rank if self.rank < VERDICT_RANKS else 0
+        bit = 1 << self.rank if self.rank < MASKED_RANKS else 0
         self._verdict.mine = [1, int(fatal), bit]
-        return not (self.ours and self._verdict.sent)
+        return not (self._on_buckets and self._verdict.sent)
 
     def agree_valid(self) -> tuple[int, int, list[int]]:
         """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
         of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
-        if self.ours:
+        if self._on_buckets:
             summed = self._verdict.summed
             if summed is None:  # the bucket of a parameter that got no gradient never went out
                 raise FitError(f"rank {self.rank}: {UNUSED}")
             failures, fatals, ranks = (round(x) for x in summed.tolist())
+            bits = self._verdict.bits
         else:
-            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64, device=self.device)
-            collective(dist.all_reduce, tensor)
+            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64)  # on the CPU: no wait for the device
+            collective(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.exchange_group)
             failures, fatals, ranks = tensor.tolist()
-        return failures, fatals, [r for r in range(min(self.world_size, VERDICT_RANKS)) if ranks >> r & 1]
+            bits = MASKED_RANKS
+        return failures, fatals, [r for r in range(min(self.world_size, bits)) if ranks >> r & 1]
 
     def rebuild_buckets(self) -> None:
         """DDP rebuilds its buckets (rank 0 broadcasts their order) in the first forward after the first

@@ -37,7 +37,7 @@ class HeaderBar(LinePanel):
             parts.append((0, f"│ rank {v.rank[0]} of {v.rank[1]} ", ""))
         parts += [
             (0, "│ ", ""),
-            (0, status, self.STATUS_STYLES.get(status, "bold")),
+            (0, status, "bold red" if status.startswith("waiting for") else self.STATUS_STYLES.get(status, "bold")),
         ]
         if s is not None:
             total, epochs = v.total_steps, v.epochs

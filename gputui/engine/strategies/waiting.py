@@ -1,0 +1,140 @@
+"""Waiting for the other ranks in fit's exchange, bounded and said. The wait runs in slices, so
+between two of them a rank notices a stop (Ctrl-C, SIGTERM, the stop control), says once it has
+waited past a threshold (a `rank_waiting` event naming the ranks that have not arrived), and gives up
+after the run's `rank_timeout` instead of the transport's own (gloo's is 30 minutes)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ..result import FitError
+from .group import abandon, lost_ranks, store
+
+SLICE_S = 0.25
+"""How long one slice of a wait lasts: a signal's handler runs between two (the wait holds no GIL)."""
+
+WAITING_S = 60.0
+"""A wait this long is said (screen, `gputui jobs`, progress line): far above any step's, far below
+the timeout. GPUTUI_RANK_WAITING_S sets another."""
+
+STOP_GRACE_S = 1.0
+"""After a stop, a wait goes on this long, or two steps' time if longer: a rank that is alive reaches
+the exchange within a step, and then every rank stops together at the next one."""
+
+ROLL_S = 1.0
+"""How often the roll reads who has arrived."""
+
+_SLICE_ENDED = "Operation timed out!"  # Work.wait(timeout)'s word for a slice over, the collective still on
+
+
+def waiting_threshold() -> float:
+    """The threshold of a `rank_waiting`, in seconds."""
+    value = os.environ.get("GPUTUI_RANK_WAITING_S")
+    if not value:
+        return WAITING_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"GPUTUI_RANK_WAITING_S must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+class Roll:
+    """Who has arrived at exchange `seq`: each rank waiting long writes it in the job's store (torchrun's
+    agent keeps it, answering while a rank is stopped), so a rank not there has not reached the
+    exchange. Read in a thread of its own: a store served by a stopped rank would block its reader."""
+
+    def __init__(self, rank: int, world: int, seq: int) -> None:
+        self.rank, self.world, self.seq = rank, world, seq
+        self.missing: list[int] | None = None  # None: not read yet
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="gputui-roll", daemon=True).start()
+
+    def _key(self, rank: int) -> str:
+        return f"gputui/waiting/{rank}"
+
+    def _run(self) -> None:
+        try:
+            s = store()
+            s.set(self._key(self.rank), str(self.seq))
+            while not self.done.is_set():
+                keys = [(r, self._key(r)) for r in range(self.world) if r != self.rank]
+                self.missing = [r for r, k in keys if not s.check([k]) or s.get(k).decode() != str(self.seq)]
+                self.done.wait(ROLL_S)
+        except Exception:  # no store to read (a group made from a file, say): the fallback names them all
+            return
+
+    def named(self) -> list[int]:
+        """The ranks that have not arrived, as last read; every other rank until the roll has read it."""
+        if self.missing:
+            return list(self.missing)
+        return [r for r in range(self.world) if r != self.rank]
+
+
+class Waiter:
+    """How a rank waits for its exchange's collective (`wait(work, seq)`)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        timeout_s: float,
+        stop_asked: Callable[[], str | None],
+        said: Callable[[list[int], float], None],
+        unanswered: Callable[[list[int], float, str | None], FitError],
+    ) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.threshold_s = waiting_threshold()
+        self.stop_asked, self.said, self.unanswered = stop_asked, said, unanswered
+        self._last_start: float | None = None
+        self._period = 0.0  # between the last two exchanges: about a step
+
+    def wait(self, work: Any, seq: int) -> None:
+        start = time.monotonic()
+        if self._last_start is not None:
+            self._period = start - self._last_start
+        self._last_start = start
+        stopped_at: float | None = None
+        roll: Roll | None = None
+        next_said = self.threshold_s
+        try:
+            while True:
+                try:
+                    work.wait(timedelta(seconds=SLICE_S))
+                    return
+                except RuntimeError as exc:
+                    if str(exc) != _SLICE_ENDED:  # the transport's own timeout, or a peer gone
+                        waited = time.monotonic() - start
+                        if "Timed out" not in str(exc):
+                            raise lost_ranks(exc) from None
+                        raise self.unanswered(roll.named() if roll else self._others(), waited, None) from None
+                waited = time.monotonic() - start
+                if roll is None and waited >= self.threshold_s / 2:  # read before it is said
+                    roll = Roll(self.rank, self.world, seq)
+                stop = self.stop_asked()
+                if stop is not None and stopped_at is None:
+                    stopped_at = time.monotonic()
+                grace = max(STOP_GRACE_S, 2 * self._period)
+                gone = stopped_at is not None and (waited >= self.threshold_s or time.monotonic() - stopped_at >= grace)
+                if gone or waited >= self.timeout_s:
+                    abandon(work)
+                    raise self.unanswered(roll.named() if roll else self._others(), waited, stop if gone else None)
+                if waited >= next_said:
+                    assert roll is not None
+                    self.said(roll.named(), waited)
+                    next_said += self.threshold_s
+        finally:
+            if roll is not None:
+                roll.done.set()
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]

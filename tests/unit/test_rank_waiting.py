@@ -1,0 +1,212 @@
+"""A rank waiting for the others at its exchange (engine/strategies/waiting.py), on stand-ins for a
+collective and the job's store: the wait is sliced, a long one said with the ranks that have not
+arrived, a stop ends it within its grace, and rank_timeout ends it; and how the screen and
+`gputui jobs` say it. The real thing under torchrun: tests/distributed/test_stall.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gputui import jobs
+from gputui.engine.options import FitOptions
+from gputui.engine.result import FitError
+from gputui.engine.strategies import waiting
+from gputui.telemetry.client import Welcome
+from gputui.telemetry.describe import describe
+from gputui.telemetry.paths import Job
+from gputui.telemetry.run import RunInfo
+from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.tui.sources import Update
+from gputui.tui.view import RunView
+
+
+class Clock:
+    """time.monotonic for waiting.py, moved on by each slice the stand-in collective waits."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Work:
+    """A collective that completes after `done_after` seconds (None: never), its waits counted."""
+
+    def __init__(self, clock: Clock, done_after: float | None) -> None:
+        self.clock, self.done_after, self.waits = clock, done_after, 0
+
+    def wait(self, timeout):
+        self.waits += 1
+        if self.done_after is not None and self.clock.now + timeout.total_seconds() >= self.done_after:
+            self.clock.now = self.done_after
+            return True
+        self.clock.now += timeout.total_seconds()
+        raise RuntimeError("Operation timed out!")
+
+
+class Roll:
+    def __init__(self, rank: int, world: int, seq: int) -> None:
+        self.done = type("Done", (), {"set": lambda self: None})()
+
+    def named(self) -> list[int]:
+        return [2]
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(waiting.time, "monotonic", clock)
+    monkeypatch.setattr(waiting, "Roll", Roll)
+    monkeypatch.setenv("GPUTUI_RANK_WAITING_S", "2")
+    return clock
+
+
+def waiter(monkeypatch, stop=lambda: None, timeout_s=10.0):
+    said, abandoned = [], []
+    monkeypatch.setattr(waiting, "abandon", abandoned.append)
+
+    def unanswered(ranks, waited, why):
+        return FitError(f"{ranks} {waited:g} {why}")
+
+    w = waiting.Waiter(
+        0, 3, timeout_s=timeout_s, stop_asked=stop, said=lambda r, s: said.append((r, s)), unanswered=unanswered
+    )
+    return w, said, abandoned
+
+
+def test_a_collective_done_in_its_first_slice_is_one_wait(clock, monkeypatch):
+    w, said, abandoned = waiter(monkeypatch)
+    work = Work(clock, done_after=0.01)
+    w.wait(work, 0)
+    assert (work.waits, said, abandoned) == (1, [], [])
+
+
+def test_a_long_wait_is_said_then_ends_at_rank_timeout(clock, monkeypatch):
+    w, said, abandoned = waiter(monkeypatch)
+    work = Work(clock, done_after=None)
+    with pytest.raises(FitError, match=r"^\[2\] 10 None$"):
+        w.wait(work, 0)
+    assert [s for _, s in said] == [2.0, 4.0, 6.0, 8.0] and said[0][0] == [2]  # each threshold, the ranks missing
+    assert abandoned == [work]  # kept alive: destroying it would wait for it
+
+
+def test_a_wait_said_and_then_done_goes_on(clock, monkeypatch):
+    w, said, abandoned = waiter(monkeypatch)
+    w.wait(Work(clock, done_after=3.0), 0)
+    assert len(said) == 1 and abandoned == []
+
+
+def test_a_stop_ends_a_wait_after_its_grace_or_at_once_once_said(clock, monkeypatch):
+    stop = []
+    w, said, abandoned = waiter(monkeypatch, stop=lambda: stop[0] if stop else None)
+    w.wait(Work(clock, done_after=0.1), 0)
+    stop.append("interrupted")  # a rank that is alive answers within the grace: no error
+    clock.now = 0.2  # a step later
+    w.wait(Work(clock, done_after=clock.now + 0.5), 1)
+    start = clock.now
+    with pytest.raises(FitError, match="interrupted"):
+        w.wait(Work(clock, done_after=None), 2)
+    assert clock.now - start <= waiting.STOP_GRACE_S + waiting.SLICE_S and said == []
+    stop.clear()
+    work, base = Work(clock, done_after=None), clock.now
+    w.stop_asked = lambda: "interrupted" if clock.now - base > 2.1 else None
+    with pytest.raises(FitError, match="interrupted"):
+        w.wait(work, 3)  # said at 2 s, then stopped: at once
+    assert len(said) == 1 and abandoned[-1] is work and clock.now - base <= 2.1 + waiting.SLICE_S
+
+
+def test_the_transport_giving_up_first_names_the_ranks_too(clock, monkeypatch):
+    class TimedOut(Work):
+        def wait(self, timeout):
+            raise RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation")
+
+    w, _, _ = waiter(monkeypatch)
+    with pytest.raises(FitError, match=r"^\[1, 2\] 0 None$"):  # not read yet: every other rank
+        w.wait(TimedOut(clock, None), 0)
+
+
+def test_the_roll_names_the_ranks_that_have_not_reached_this_exchange(monkeypatch):
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, key):
+            return self[key]
+
+    store = Store({"gputui/waiting/1": b"7", "gputui/waiting/2": b"6"})  # rank 2 waited at an earlier one
+    monkeypatch.setattr(waiting, "store", lambda: store)
+    roll = waiting.Roll(0, 4, 7)
+    deadline = time.monotonic() + 10
+    while roll.missing is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    roll.done.set()
+    assert roll.named() == [2, 3] and store["gputui/waiting/0"] == b"7"
+
+
+EVENT = Event("rank_waiting", 3, {"ranks": [1], "at": 4, "waited_s": 61}, t=1000.0)
+
+
+def test_the_screen_says_it_counting_on_until_the_next_step():
+    def step(n):
+        return StepSample(
+            t=1000.0 + n,
+            step=n,
+            epoch=0,
+            loss=1.0,
+            batch_size=8,
+            micro_batch=8,
+            accumulation=1,
+            amp="off",
+            checkpointing=False,
+            samples_per_s=8.0,
+            memory=Memory("cpu"),
+        )
+
+    v = RunView(clock=lambda: 0.0, script="ddp.py", wall=lambda: 1009.4)
+    v.apply(Update([step(3)], [EVENT], RunInfo(total_steps=100), None, None, 1))
+    assert v.status == "waiting for rank 1 since step 4 (70s)" and v.eta is None
+    v.apply(Update([step(4)], [], v.info, None, None, 1))
+    assert v.status == "training" and v.eta is not None
+
+
+def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
+    monkeypatch.setattr(jobs.time, "time", lambda: 1005.0)
+    welcome = Welcome(hello={"info": RunInfo(argv=("ddp.py",), rank=0, world_size=2).to_json()})
+    welcome.latest = StepSample(
+        t=1.0,
+        step=3,
+        epoch=0,
+        loss=1.0,
+        batch_size=8,
+        micro_batch=8,
+        accumulation=1,
+        amp="off",
+        checkpointing=False,
+        samples_per_s=8.0,
+        memory=Memory("cpu"),
+    )
+    welcome.events.append(EVENT.to_json())
+    row = jobs._row(Job(1, "/tmp/x.sock"), welcome)
+    assert row["state"] == "waiting" and row["waiting"] == "waiting for rank 1 since step 4 (66s)"
+    assert row["summary"].endswith("(waiting for rank 1 since step 4 (66s))")
+    assert describe(EVENT) == "waiting for rank 1 since step 4 (61s)"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_the_waiting_threshold_is_a_positive_number(monkeypatch, value):
+    monkeypatch.setenv("GPUTUI_RANK_WAITING_S", value)
+    with pytest.raises(ValueError, match="GPUTUI_RANK_WAITING_S must be a positive number of seconds"):
+        waiting.waiting_threshold()
+
+
+def test_rank_timeout_is_a_positive_number():
+    for bad in (0, -1, "600", True, float("inf")):
+        with pytest.raises(ValueError, match="rank_timeout must be a positive number of seconds"):
+            FitOptions(rank_timeout=bad)
