@@ -19,9 +19,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 import gputui, torch
 from torch import nn
+
+rank = int(os.environ.get("RANK", "0"))
+if os.environ.get("STALL"):  # rank 1 stops answering after its step 3
+    from gputui.telemetry import hub as hubs
+
+    class Stall(hubs.Sink):
+        def on_sample(self, sample):
+            if rank == 1 and sample.step == 3:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    hubs.current().add_sink(Stall())
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -32,7 +43,10 @@ def step(model, batch):
     return nn.functional.mse_loss(model(batch[0]), batch[1])
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else None
-result = gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.01), max_steps=steps)
+try:
+    result = gputui.fit(model, data, step, torch.optim.SGD(model.parameters(), lr=0.01), max_steps=steps)
+finally:  # the script's save
+    open(f"saved.{rank}", "w").close()
 print(f"after fit: rank {result.rank} of {result.world_size} stopped {result.stopped} at step {result.steps}")
 if steps and result.rank == 1:
     sys.exit(3)
@@ -112,3 +126,21 @@ def test_a_job_that_ends_on_its_own_is_shown_ended_and_gives_its_exit_code(env, 
     assert run.exit_code(timeout=90) == 1
     log = Path(re.search(r"their output goes to (\S+\.log)", run.text(len(run.screen)))[1]).read_text()
     assert "after fit: rank 0 of 2 stopped None at step 5" in log and "exitcode  : 3" in log, log[-3000:]
+
+
+def test_q_while_a_rank_is_stalled_ends_the_job_with_the_rank_named_and_the_save(env, tmp_path, processes):
+    """Rank 1 stops answering (SIGSTOP): rank 0's screen says it waits for rank 1; q (confirmed) ends
+    rank 0's wait at once with a FitError naming rank 1, after which its script's save runs; the job
+    ends, bounded (the stopped rank is killed after the TUI's grace)."""
+    run = launch(processes, env | {"STALL": "1", "GPUTUI_RANK_WAITING_S": "1"}, tmp_path, ())
+    run.wait_shown("waiting for rank 1 since step 4", timeout=120)
+    ranks = [int(p.name.split(".")[0]) for p in (tmp_path / "run" / "gputui").glob("*.sock")]
+    processes.adopt(*ranks)
+    run.send(b"q")
+    run.wait_shown("Stop after the current step and quit?")
+    run.send(b"y")
+    assert run.exit_code(timeout=90) != 0
+    log = Path(re.search(r"their output goes to (\S+\.log)", run.text(len(run.screen)))[1]).read_text()
+    said = "rank 0 stopped (interrupted) while waiting for rank 1, which stopped answering at step 4"
+    assert said in log, log[-3000:]
+    assert (tmp_path / "saved.0").exists() and not (tmp_path / "saved.1").exists()
