@@ -49,6 +49,7 @@ from .screens import (
     PlannerScreen,
     TopTensorsScreen,
 )
+from .screens.dialogs import stop_effect
 from .sources import Source
 from .view import RunView
 
@@ -359,7 +360,7 @@ class GputuiApp(App[int]):
         self._quitting = True
         self.view.stopping = True
         self.notify(
-            f"{reason}: stopping after the current step ({self.view.stop_effect[1]}); gputui exits when "
+            f"{reason}: stopping after the current step ({stop_effect(self.view)[1]}); gputui exits when "
             "the script ends. Again to stop at once.",
             timeout=30,
         )
@@ -371,7 +372,7 @@ class GputuiApp(App[int]):
         # run stops at its first boundary instead of training on after the user quit.
         self.send("stop", text="stop")
         self.notify(
-            f"Stopping after the current step ({self.view.stop_effect[1]}). q again quits at once.",
+            f"Stopping after the current step ({stop_effect(self.view)[1]}). q again quits at once.",
             timeout=10,
         )
 

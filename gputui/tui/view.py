@@ -13,15 +13,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
-from ..telemetry.describe import describe, number, plan_rows, waiting_text
+from ..telemetry.describe import describe, number, waiting_text
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
-from .keys import BY_ACTION, BY_KEY
+from .keys import BY_ACTION
 from .ranks import Ranks
 from .sources import Update
 
@@ -250,29 +249,6 @@ class RunView:
         return self.info is not None and self.info.observed
 
     @property
-    def stop_effect(self) -> tuple[str, str]:
-        """What a quit asks, and what stopping does to this script: a fit() returns and the code after it
-        runs, an own loop gets a KeyboardInterrupt (observe.py). The quit dialog shows both, the notices
-        the second."""
-        if self.info is None:  # the script is still importing or loading: either may come
-            return (
-                "Training has not started yet. Stop it and quit?",
-                "a fit() stops at its first step and the code after it runs; a loop of the script's own "
-                "gets a KeyboardInterrupt",
-            )
-        if self.info.observed:
-            return (
-                "The script's own loop is training. Stop it and quit?",
-                "the script gets a KeyboardInterrupt after its next optimizer step: the code after its loop, "
-                "a save there, does not run unless it catches it",
-            )
-        return (
-            "Training is running. Stop after the current step and quit?",
-            "the script goes on after this step, where fit() returns or a Trainer loop sees result.stopped: "
-            "your save happens",
-        )
-
-    @property
     def total_steps(self) -> int | None:
         return self.info.total_steps if self.info else None
 
@@ -372,36 +348,6 @@ class RunView:
         if not self.training:
             return "training has ended"
         return self.refused.get(control)
-
-    @property
-    def plan_fresh(self) -> bool:
-        """The plan was made for the settings the run has now (its "now" row's): a stale plan's
-        predictions are no longer the keys' (each option's settings are absolute)."""
-        now = self.plan_option("now")
-        s = self.latest
-        return (
-            now is not None
-            and s is not None
-            and (now.get("micro_batch"), now.get("amp"), now.get("checkpointing"))
-            == (s.micro_batch, s.amp, s.checkpointing)
-        )
-
-    @property
-    def plan_options(self) -> list[Mapping[str, Any]]:
-        """The latest plan's rows (empty before any; a malformed one skipped)."""
-        return plan_rows(self.plan) if self.plan else []
-
-    def plan_option(self, remedy: str) -> Mapping[str, Any] | None:
-        return next((o for o in self.plan_options if o.get("remedy") == remedy), None)
-
-    def predicted(self, key: str) -> Mapping[str, Any] | None:
-        """The row a remedy key (b, B, a, c) would lead to, from a fresh plan; `a`'s is the mode it switches to."""
-        remedy = BY_KEY[key].remedy if key in BY_KEY else None
-        if not self.plan_fresh or remedy is None:
-            return None
-        amp = self.next_amp()
-        rows = (o for o in self.plan_options if o.get("remedy") == remedy)
-        return next((o for o in rows if remedy != "amp" or o.get("amp") == amp), None)
 
     def next_amp(self) -> str:
         current = self.amp or "off"  # a mode this gputui does not know (a newer job's) steps to the first

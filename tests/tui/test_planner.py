@@ -12,6 +12,7 @@ from textual.widgets import Static
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
+from gputui.tui.planned import fresh, predicted
 from gputui.tui.remote import WATCH_ONLY
 from gputui.tui.screens import OomScreen, PlannerScreen
 from gputui.tui.view import RunView
@@ -185,13 +186,13 @@ async def test_predictions_keep_the_main_screen_whole(size):
 def test_predicted_follows_the_settings_in_force():
     v = RunView()
     v._sample(cuda_sample(300))  # micro-batch 32 x 2, bf16
-    assert v.predicted("b") is None and not v.plan_fresh
+    assert predicted(v, "b") is None and not fresh(v)
     v._event(plan_event())
-    assert v.plan_fresh
-    assert v.predicted("b")["micro_batch"] == 16 and v.predicted("B")["micro_batch"] == 64
-    assert v.predicted("a")["amp"] == "fp16" and v.predicted("c")["checkpointing"]
+    assert fresh(v)
+    assert predicted(v, "b")["micro_batch"] == 16 and predicted(v, "B")["micro_batch"] == 64
+    assert predicted(v, "a")["amp"] == "fp16" and predicted(v, "c")["checkpointing"]
     v._sample(replace(cuda_sample(301), amp="fp16"))
-    assert not v.plan_fresh and v.predicted("a") is None
+    assert not fresh(v) and predicted(v, "a") is None
 
 
 def test_a_plan_in_parts_is_one_timeline_line_and_a_new_one_another():

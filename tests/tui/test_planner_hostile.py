@@ -12,6 +12,7 @@ from test_planner import make, rows, screen_text
 
 from gputui.telemetry.describe import describe, plan_lines
 from gputui.telemetry.sample import Event
+from gputui.tui.planned import fresh, options, predicted
 from gputui.tui.screens import PlannerScreen
 from gputui.tui.view import RunView
 
@@ -91,10 +92,10 @@ def test_a_malformed_row_is_skipped_and_a_figure_that_is_not_one_shown_as_a_ques
 def test_the_view_skips_malformed_rows_before_and_after_a_step():
     v = RunView()
     v._event(CASES["rows missing keys"])  # before any step sample
-    assert not v.plan_fresh and v.predicted("b") is None and len(v.plan_options) == 7
+    assert not fresh(v) and predicted(v, "b") is None and len(options(v)) == 7
     for event in CASES.values():  # no step yet: no plan is fresh, whatever its rows, so no key predicts
         v._event(event)
-        assert v.predicted("b") is None and not v.plan_fresh
+        assert predicted(v, "b") is None and not fresh(v)
     assert len(v.timeline) >= 1 and v.plans == len(CASES) + 1
 
 
@@ -119,7 +120,7 @@ async def test_the_planner_and_remedies_bar_show_every_hostile_plan(size):
             await pilot.pause()
             shown_text = screen_text(app)
             assert f"Plan at step {event.step}" in shown_text, name
-            assert len(rows(app)) == len(app.view.plan_options), name
+            assert len(rows(app)) == len(options(app.view)), name
             text(app, "#remedies")
         assert app.return_code is None  # nothing raised: the app still runs
         await pilot.press("w")

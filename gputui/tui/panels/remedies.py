@@ -10,6 +10,7 @@ from rich.text import Text
 from ...telemetry.describe import number
 from ...units import format_bytes, format_bytes_short
 from ..keys import BY_ACTION, KEYS, Key, shown
+from ..planned import predicted
 from ..view import RunView
 from .base import RunPanel, flow
 
@@ -98,7 +99,7 @@ class RemediesBar(RunPanel):
         size = format_bytes if long else format_bytes_short
         entries = []
         for k in keys:
-            o = self.view.predicted(k.key)  # the plan's row of the remedy this key applies
+            o = predicted(self.view, k.key)  # the plan's row of the remedy this key applies
             if o is None:
                 continue
             if k is AMP:

@@ -16,7 +16,7 @@ from .base import Overlay
 
 
 class ConfirmQuit(ModalScreen[bool]):
-    """Stop and quit? With what stopping does to this script (RunView.stop_effect), kept up to date:
+    """Stop and quit? With what stopping does to this script (stop_effect(), below), kept up to date:
     asked before the run started, it says so, and changes once the run says how it trains."""
 
     BINDINGS = [
@@ -30,7 +30,7 @@ class ConfirmQuit(ModalScreen[bool]):
         self.view = view
 
     def _text(self) -> str:
-        question, effect = self.view.stop_effect
+        question, effect = stop_effect(self.view)
         return f"{question}\n({effect})"
 
     def compose(self) -> ComposeResult:
@@ -78,3 +78,26 @@ class FailureScreen(Overlay):
         )
         yield VerticalScroll(Static(Group(head, Text(""), Text(v.failure or ""), advice), id="failure-text"))
         yield Footer()
+
+
+def stop_effect(v: RunView) -> tuple[str, str]:
+    """What a quit asks, and what stopping does to this script: a fit() returns and the code after it
+    runs, an own loop gets a KeyboardInterrupt (observe.py). The quit dialog shows both, the notices
+    the second."""
+    if v.info is None:  # the script is still importing or loading: either may come
+        return (
+            "Training has not started yet. Stop it and quit?",
+            "a fit() stops at its first step and the code after it runs; a loop of the script's own "
+            "gets a KeyboardInterrupt",
+        )
+    if v.info.observed:
+        return (
+            "The script's own loop is training. Stop it and quit?",
+            "the script gets a KeyboardInterrupt after its next optimizer step: the code after its loop, "
+            "a save there, does not run unless it catches it",
+        )
+    return (
+        "Training is running. Stop after the current step and quit?",
+        "the script goes on after this step, where fit() returns or a Trainer loop sees result.stopped: "
+        "your save happens",
+    )

@@ -12,6 +12,7 @@ from textual.widgets import Button, Label, Static
 
 from ...telemetry.describe import number
 from ...units import format_bytes
+from ..planned import option, options
 from ..view import RunView
 from .planner import PLAN_REQUEST
 
@@ -103,7 +104,7 @@ def oom_predictions(v: RunView, cannot_plan: str | None) -> Text:
     """The dialog's remedies with the step peak the planner predicts for each, from a table made at this
     OOM (for the setting that failed); "planning…" while it is made; else how to ask for one."""
     oom, plan = v.waiting_oom, v.plan
-    now = v.plan_option("now")
+    now = option(v, "now")
     text = Text()
     if oom is None:
         return text
@@ -121,11 +122,11 @@ def oom_predictions(v: RunView, cannot_plan: str | None) -> Text:
         return text.append("The planner has no prediction for this step.", style="dim")
     capacity = number(plan.get("capacity"))
     text.append(f"Predicted step peak{f' of {format_bytes(capacity)}' if capacity else ''}:", style="bold")
-    amp = next((o for o in v.plan_options if o.get("remedy") == "amp" and o.get("amp") == "bf16"), None)
-    checkpointing = v.plan_option("checkpointing")
-    best = v.plan_option("best")
+    amp = next((o for o in options(v) if o.get("remedy") == "amp" and o.get("amp") == "bf16"), None)
+    checkpointing = option(v, "checkpointing")
+    best = option(v, "best")
     rows = [
-        ("[b]", v.plan_option("halve")),
+        ("[b]", option(v, "halve")),
         ("[a] bf16", amp),
         ("[c] ckpt", checkpointing if checkpointing and checkpointing.get("checkpointing") else None),
         ("[r] as is", now),

@@ -15,6 +15,7 @@ from ...telemetry.sample import Event
 from ...units import format_bytes
 from ..keys import for_remedy
 from ..messages import RequestControl
+from ..planned import fresh, option, options
 from ..view import RunView
 from .base import Overlay
 
@@ -75,7 +76,7 @@ class PlannerScreen(Overlay):
         return PLAN_REQUEST in self.view.pending.values() or (plan is not None and not plan.get("complete", True))
 
     def update(self) -> None:
-        key = (self.view.plan, self.view.plan_fresh, self.planning, self.view.training)
+        key = (self.view.plan, fresh(self.view), self.planning, self.view.training)
         if self.is_mounted and key != self._shown:
             self._shown = key
             self._fill()
@@ -88,8 +89,9 @@ class PlannerScreen(Overlay):
         row = table.cursor_row
         table.clear()
         capacity = number(plan.get("capacity")) if plan is not None else None
-        for option in v.plan_options:
-            table.add_row(*plan_cells(option, capacity, stale=not v.plan_fresh))
+        stale = not fresh(v)
+        for choice in options(v):
+            table.add_row(*plan_cells(choice, capacity, stale=stale))
         if table.row_count:
             table.move_cursor(row=min(row, table.row_count - 1))
         self._detail(table.cursor_row)
@@ -98,8 +100,8 @@ class PlannerScreen(Overlay):
         self._detail(event.cursor_row)
 
     def _detail(self, row: int) -> None:
-        options = self.view.plan_options
-        text = breakdown(options[row]) if 0 <= row < len(options) else Text("")
+        rows = options(self.view)
+        text = breakdown(rows[row]) if 0 <= row < len(rows) else Text("")
         self.query_one("#plan-detail", Static).update(text)
 
 
@@ -129,7 +131,7 @@ def plan_status(v: RunView, planning: bool, watch_only: str | None) -> Text:
         elif planning:
             text.append(" · planning again… the table follows when the run answers", style="bold yellow")
         s = v.latest
-        if not v.plan_fresh and s is not None:
+        if not fresh(v) and s is not None:
             text.append(
                 f"\nstale: made for other settings than the run's now (micro-batch {s.micro_batch} × "
                 f"{s.accumulation}, AMP {s.amp}, checkpointing {'on' if s.checkpointing else 'off'})"
@@ -139,7 +141,7 @@ def plan_status(v: RunView, planning: bool, watch_only: str | None) -> Text:
     if cannot:
         what = "shows the run's latest plan but cannot ask for one" if plan is not None else "cannot ask for one"
         text.append(f"\nThis screen {what}: {cannot}", style="dim italic")
-    elif plan is not None and v.plan_fresh:
+    elif plan is not None and fresh(v):
         text.append(
             "\n✓ fits with the planner's margin, ✗ does not; ~ an estimate, not traced. r plans again.", style="dim"
         )
@@ -151,7 +153,7 @@ def calibration(v: RunView) -> Text:
     every traced prediction carries."""
     plan = v.plan
     assert plan is not None
-    now, measured, correction = v.plan_option("now"), number(plan.get("measured")), number(plan.get("correction")) or 0
+    now, measured, correction = option(v, "now"), number(plan.get("measured")), number(plan.get("correction")) or 0
     sign = "+" if correction >= 0 else ""
     text = Text().append("Calibration: ", style="bold")
     if measured is None or now is None:

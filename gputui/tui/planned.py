@@ -1,0 +1,42 @@
+"""The latest plan as the screen reads it (a RunView's `plan` event): its rows, whether it was made for the
+setting the run has now, and the row a remedy key would lead to."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..telemetry.describe import plan_rows
+from .keys import BY_KEY
+from .view import RunView
+
+
+def options(v: RunView) -> list[Mapping[str, Any]]:
+    """The latest plan's rows (empty before any; a malformed one skipped)."""
+    return plan_rows(v.plan) if v.plan else []
+
+
+def option(v: RunView, remedy: str) -> Mapping[str, Any] | None:
+    return next((o for o in options(v) if o.get("remedy") == remedy), None)
+
+
+def fresh(v: RunView) -> bool:
+    """The plan was made for the settings the run has now (its "now" row's): a stale plan's predictions
+    are no longer the keys' (each option's settings are absolute)."""
+    now, s = option(v, "now"), v.latest
+    return (
+        now is not None
+        and s is not None
+        and (now.get("micro_batch"), now.get("amp"), now.get("checkpointing"))
+        == (s.micro_batch, s.amp, s.checkpointing)
+    )
+
+
+def predicted(v: RunView, key: str) -> Mapping[str, Any] | None:
+    """The row a remedy key (b, B, a, c) would lead to, from a fresh plan; `a`'s is the mode it switches to."""
+    remedy = BY_KEY[key].remedy if key in BY_KEY else None
+    if not fresh(v) or remedy is None:
+        return None
+    amp = v.next_amp()
+    rows = (o for o in options(v) if o.get("remedy") == remedy)
+    return next((o for o in rows if remedy != "amp" or o.get("amp") == amp), None)
