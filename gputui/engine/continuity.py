@@ -25,8 +25,12 @@ from typing import Any
 
 from torch import nn
 
+from ..step.checkpointing import Checkpointing
+from ..step.precision import Precision
 from ..telemetry.hub import Hub
 from ..telemetry.run import RunSummary
+from .planhook import PlanningHook
+from .state import RunState
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,48 @@ class Carried:
                 elapsed_s=round(elapsed, 3),
                 error=self._error,
             )
+        )
+
+
+class SettingNow:
+    """The run's setting (micro-batch, AMP, checkpointing): what the keys and OOMs change, what one run
+    hands the next on the same model and what a checkpoint resumes (gputui.Trainer.load_state_dict)."""
+
+    def __init__(
+        self, state: RunState, precision: Precision, checkpointing: Checkpointing, planning: PlanningHook
+    ) -> None:
+        self.state, self.precision, self.checkpointing, self.planning = state, precision, checkpointing, planning
+        self.started_with = self.now()  # the arguments': what differs at the end is carried on
+
+    def now(self) -> tuple[int | None, str, bool]:
+        return self.state.micro_batch, self.precision.mode, self.checkpointing.enabled
+
+    def apply(self, micro_batch: Any, amp: str | None, checkpointing: bool | None) -> None:
+        """A setting found before (an earlier run, a checkpoint), where this run can take it; UNCHANGED or
+        None: this run's own."""
+        if micro_batch is not UNCHANGED:
+            self.state.micro_batch = micro_batch
+            self.planning.auto_off()  # micro_batch="auto" has its answer
+        if amp is not None and amp != self.precision.mode and self.precision.unsupported(amp) is None:
+            self.precision.set(amp)
+        ck = self.checkpointing
+        if checkpointing is not None and checkpointing != ck.enabled and ck.unavailable() is None:
+            ck.set(checkpointing)
+
+    def take_up(self, setting: Setting | None) -> None:
+        """The setting and the planner's predictions an earlier run on this model ended with, if any."""
+        if setting is not None:
+            self.apply(setting.micro_batch, setting.amp, setting.checkpointing)
+            self.planning.load_state_dict(setting.planner)
+
+    def changed(self) -> Setting:
+        """What this run changed of its setting, and what its planner learnt."""
+        (mb0, amp0, ck0), (mb, amp, ck) = self.started_with, self.now()
+        return Setting(
+            mb if mb != mb0 else UNCHANGED,
+            amp if amp != amp0 else None,
+            ck if ck != ck0 else None,
+            self.planning.state_dict(cache=True),
         )
 
 

@@ -33,7 +33,7 @@ from ..telemetry.controls import BATCH_NORM_FLOOR
 from ..telemetry.hub import IDLE_S
 from ..telemetry.setup import MetricsSink, for_process
 from .boundary import Boundary
-from .continuity import UNCHANGED, Setting, carried
+from .continuity import SettingNow, carried
 from .deferred import DeferredLoss
 from .oom import Buffers, Generators
 from .options import FitOptions, is_shared, resolve_device
@@ -178,6 +178,7 @@ class Core:
         self.more = True  # under torchrun: whether every rank has another batch, as the last step said
         self._warned_loss = False
         self._options = o
+        self.setting = SettingNow(state, precision, checkpointing, self.planning)
         self.carried = carried(hub)
         self._take_up()
         # The process's steps and samples before this run's: its own are counted from here.
@@ -192,36 +193,7 @@ class Core:
         state.stop_reason = c.stop_reason
         if c.auto_recover is not None:
             state.auto_recover = c.auto_recover
-        self._started_with = self._setting()  # the arguments': what differs at the end is carried on
-        setting = c.setting_for(self.user_model)
-        if setting is not None:
-            self.apply_setting(setting.micro_batch, setting.amp, setting.checkpointing)
-            self.planning.load_state_dict(setting.planner)
-
-    def _setting(self) -> tuple[int | None, str, bool]:
-        return self.state.micro_batch, self.precision.mode, self.checkpointing.enabled
-
-    def apply_setting(self, micro_batch: Any, amp: str | None, checkpointing: bool | None) -> None:
-        """A setting found before (an earlier run, a checkpoint), where this run can take it; UNCHANGED or
-        None: this run's own."""
-        if micro_batch is not UNCHANGED:
-            self.state.micro_batch = micro_batch
-            self.planning.auto_off()  # micro_batch="auto" has its answer
-        if amp is not None and amp != self.precision.mode and self.precision.unsupported(amp) is None:
-            self.precision.set(amp)
-        ck = self.checkpointing
-        if checkpointing is not None and checkpointing != ck.enabled and ck.unavailable() is None:
-            ck.set(checkpointing)
-
-    def changed_setting(self) -> Setting:
-        """What this run changed of its setting, and what its planner learnt (continuity.py)."""
-        (mb0, amp0, ck0), (mb, amp, ck) = self._started_with, self._setting()
-        return Setting(
-            mb if mb != mb0 else UNCHANGED,
-            amp if amp != amp0 else None,
-            ck if ck != ck0 else None,
-            self.planning.state_dict(cache=True),
-        )
+        self.setting.take_up(c.setting_for(self.user_model))
 
     # -- one global batch -------------------------------------------------------------------
     def step(self, batch: Any, has_next: Any = None) -> bool:
@@ -326,7 +298,7 @@ class Core:
         state, session = self.state, self.session
         auto_recover = state.auto_recover if state.auto_recover != self._options.auto_recover else None
         self.carried.auto_recover = auto_recover if auto_recover is not None else self.carried.auto_recover
-        self.carried.keep(self.user_model, self.changed_setting(), summary, error, (session.steps, session.samples))
+        self.carried.keep(self.user_model, self.setting.changed(), summary, error, (session.steps, session.samples))
         self.hub.idle_since = time.time()
 
     def _start(self, length: dict[str, Any]) -> None:

@@ -214,7 +214,7 @@ class Trainer:
         core = self._core
         if core.session.steps != core.first_step:
             raise ValueError("load_state_dict() must come before the first trainer.step()")
-        core.apply_setting(saved["micro_batch"], saved["amp"], saved["checkpointing"])
+        core.setting.apply(saved["micro_batch"], saved["amp"], saved["checkpointing"])
         core.state.auto_recover = bool(saved["auto_recover"])
         scaler = core.precision.scaler
         if scaler is not None and saved.get("scaler"):
