@@ -129,3 +129,31 @@ def test_an_fp16_step_the_grad_scaler_skips_is_counted_said_and_leaves_the_weigh
     skipped = [e for e in result.events if e.name == "step_skipped"]
     assert [(e["at"], e["skipped"]) for e in skipped] == [(2, 1)]
     assert describe(skipped[0]).startswith("step 2 skipped: an inf or nan gradient")
+
+
+@pytest.mark.parametrize(
+    "options", [{"micro_batch": 2}, {"memory_budget": "40KiB"}], ids=["micro-batch 2", "budget forcing OOMs"]
+)
+def test_an_own_loop_on_a_trainer_clips_as_the_plain_loop_with_its_losses_and_norms(monkeypatch, options):
+    """gputui.Trainer, token-weighted (items=), micro-batched or halved by OOMs: each StepResult's loss and
+    gradient norm, and the weights, are the plain full-batch loop's with clip_grad_norm_."""
+    halving_only(monkeypatch)
+    batches = padded_batches(4, 8, seed=2)
+    ref, model = twins(TokenModel)
+    optimizer = sgd(ref)
+    losses, norms = [], []
+    for batch in batches:
+        loss = padded_step(ref, batch)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.45)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert sum(n > 0.45 for n in norms) >= 2, "the clip must bite for this test to mean anything"
+    with gputui.Trainer(model, sgd(model), padded_step, items=count_tokens, clip_grad_norm=0.45, **options) as t:
+        results = [t.step(batch) for batch in batches]
+    if "memory_budget" in options:
+        assert sum(r.ooms_recovered for r in results) >= 1, "the budget must force an OOM to mean anything"
+    assert [r.loss for r in results] == pytest.approx(losses, rel=1e-5)
+    assert [r.grad_norm for r in results] == pytest.approx(norms, rel=1e-5)
+    assert_same_weights(model, ref)
