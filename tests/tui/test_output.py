@@ -101,3 +101,17 @@ async def test_log_screen_shows_the_output_of_a_run_that_has_ended(hub):
         await pilot.pause()
         log = app.screen.query_one(RichLog)
         assert [line.text for line in log.lines] == ["saved the model after step 200"]
+
+
+async def test_the_log_screen_wraps_a_line_at_its_own_width_not_at_80_columns(hub):
+    """A 100-character line in a 120-column terminal is one line (textual measured it against an
+    80-column console and wrapped it there); a 200-character one wraps at the screen's width."""
+    line, longer = "L" * 99 + "|", "M" * 199 + "|"
+    hub.output.write(f"{line}\n{longer}\n")
+    app = GputuiApp(LocalSource(hub), script="wide.py", refresh=20)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await pilot.press("l")
+        log = app.screen.query_one(RichLog)
+        await until(pilot, lambda: len(log.lines) >= 3)
+        shown = [strip.text.rstrip() for strip in log.lines]
+        assert shown[0] == line and shown[1] + shown[2] == longer and 100 < len(shown[1]) <= 120

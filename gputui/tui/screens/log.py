@@ -35,7 +35,9 @@ class LogScreen(Overlay):
         lines, self._position = self.output.since(self._position)
         log = self.query_one(RichLog)
         for text in lines:
-            log.write(text)
+            # expand: the log's width, not the console's (80 columns where textual measures a line, so a
+            # longer line wrapped there however wide the terminal)
+            log.write(text, expand=True)
         current = self.output.current
         line = self.query_one("#output-current", Static)
         if current:
