@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from process import wait_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -76,10 +75,7 @@ finally:  # the script's own save
 
 
 def until(check, what: str, limit_s: float = 60) -> None:
-    deadline = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {limit_s} s: {what}"
-        time.sleep(0.1)
+    wait_until(check, limit_s, what, every=0.1)
 
 
 def ended(pid: int) -> bool:
@@ -89,10 +85,15 @@ def ended(pid: int) -> bool:
         return True
 
 
+def said(path: Path) -> str:
+    """A file's whole lines so far (a rank appends to it as we read)."""
+    text = path.read_text() if path.exists() else ""
+    return text[: text.rfind("\n") + 1]
+
+
 @pytest.fixture
-def launched(tmp_path: Path) -> Iterator[Any]:
-    """Start a launch with the given rank_timeout; torchrun and both ranks are killed at the end."""
-    jobs: list[subprocess.Popen[bytes]] = []
+def launched(tmp_path: Path, processes) -> Any:
+    """Start a launch with the given rank_timeout; torchrun and both ranks end with the test (processes)."""
 
     def launch(rank_timeout: float, inside: bool = False) -> tuple[Path, Path]:
         (tmp_path / "script.py").write_text(SCRIPT)
@@ -109,26 +110,14 @@ def launched(tmp_path: Path) -> Iterator[Any]:
         log = tmp_path / "log.txt"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         with open(log, "wb") as f:
-            jobs.append(
-                subprocess.Popen(
-                    [*command, str(tmp_path / "script.py"), str(out)],
-                    env=env,
-                    cwd=tmp_path,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            processes.start(
+                [*command, tmp_path / "script.py", out], env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT
             )
         if not inside:
-            until(lambda: (out / "waiting.0").exists(), "rank 0 says it waits")
+            until(lambda: said(out / "waiting.0"), "rank 0 says it waits")
         return out, log
 
-    yield launch
-    for job in jobs:
-        for child in psutil.Process(job.pid).children(recursive=True):
-            child.kill()
-        job.kill()
-        job.wait(30)
+    return launch
 
 
 def pid(out: Path, rank: int) -> int:
@@ -137,7 +126,7 @@ def pid(out: Path, rank: int) -> int:
 
 def test_a_stalled_rank_is_said_and_ends_the_others_at_rank_timeout(launched):
     out, log = launched(rank_timeout=6)
-    waiting = json.loads((out / "waiting.0").read_text().splitlines()[0])
+    waiting = json.loads(said(out / "waiting.0").splitlines()[0])
     assert (waiting["ranks"], waiting["at"]) == ([1], 4), waiting
     until(lambda: ended(pid(out, 0)), "rank 0 ends at its rank_timeout")
     error = json.loads((out / "record.0.json").read_text())["error"]

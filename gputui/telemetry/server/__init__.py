@@ -32,7 +32,12 @@ from .printed import Printed
 from .welcome import RunSoFar
 
 TICK = 0.05
-"""Seconds the server thread sleeps at most: the latency a record may take to leave."""
+"""Seconds the server thread sleeps at most while a client is connected: the latency a record may take to
+leave."""
+
+ALONE_TICK = 1.0
+"""The same with no client: its turns only fold the steps in for a later welcome, so it wakes (and takes
+the GIL from the training thread) once a second, not twenty times. A connection or an event wakes it."""
 
 
 class TelemetryServer:
@@ -95,6 +100,7 @@ class TelemetryServer:
         if self._thread is None or self._stop.is_set():
             return
         self._stop.set()
+        self._wake()  # out of its select now, not at its next tick
         self._thread.join(timeout=2)
         self.hub.remove_sink(self)
         for peer in self._peers:
@@ -128,7 +134,7 @@ class TelemetryServer:
             self._peers.flush(peer, final=True)
 
     def _turn(self) -> None:
-        for key, mask in self._selector.select(timeout=TICK):
+        for key, mask in self._selector.select(timeout=TICK if self._peers else ALONE_TICK):
             if key.data is None:
                 assert self._listener is not None
                 for sock, pid in self._listener.accept(len(self._peers)):
