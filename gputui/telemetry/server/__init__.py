@@ -32,12 +32,7 @@ from .printed import Printed
 from .welcome import RunSoFar
 
 TICK = 0.05
-"""Seconds the server thread sleeps at most while a client is connected: the latency a record may take to
-leave."""
-
-ALONE_TICK = 1.0
-"""The same with no client: its turns only fold the steps in for a later welcome, so it wakes (and takes
-the GIL from the training thread) once a second, not twenty times. A connection or an event wakes it."""
+"""Seconds the server thread sleeps at most: the latency a record may take to leave."""
 
 
 class TelemetryServer:
@@ -134,7 +129,7 @@ class TelemetryServer:
             self._peers.flush(peer, final=True)
 
     def _turn(self) -> None:
-        for key, mask in self._selector.select(timeout=TICK if self._peers else ALONE_TICK):
+        for key, mask in self._selector.select(timeout=TICK):
             if key.data is None:
                 assert self._listener is not None
                 for sock, pid in self._listener.accept(len(self._peers)):
