@@ -105,6 +105,8 @@ class Trainer:
         rank_timeout: float = 600.0,
     ) -> None:
         positive("steps", steps)
+        if isinstance(step, torch.optim.Optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("gputui.Trainer takes (model, optimizer, step): the optimizer comes before the step")
         options = FitOptions(
             clip_grad_norm=clip_grad_norm,
             rank_timeout=rank_timeout,

@@ -219,3 +219,10 @@ def test_an_error_in_the_block_ends_the_run_with_an_error_and_propagates(hub):
     assert hub.summary is None  # the process's run ends with the script
     hub.finish()
     assert hub.summary.error == "RuntimeError: evaluation broke" and hub.summary.steps == 1
+
+
+def test_a_step_and_optimizer_swapped_are_said_so():
+    """fit takes (model, data, step, optimizer); the Trainer (model, optimizer, step): a swap is one line."""
+    model = TokenModel()
+    with pytest.raises(TypeError, match=r"^gputui.Trainer takes \(model, optimizer, step\)"):
+        gputui.Trainer(model, padded_step, sgd(model))
