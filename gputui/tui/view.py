@@ -169,9 +169,6 @@ class RunView:
             self.evals_seen += 1
         elif e.name == "signalled":
             self.signalled = str(e["reason"])
-        elif e.name == "run_continued" and self.info is not None:  # as the hub does (a view fed events alone)
-            self.info = self.info.continued(e.details)
-            self.auto_recover = self.info.auto_recover
         elif (
             e.name == "step_skipped" and type(e["skipped"]) is int
         ):  # a job's record: only what describe() needs is checked

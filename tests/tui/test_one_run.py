@@ -37,7 +37,8 @@ def test_a_continued_run_changes_the_total_and_auto_recover_and_finishes_only_wi
     part_ended = Event("part_ended", 3, {"by": "fit", "steps": 3, "samples": 24})
     v.apply(update(sample(2), sample(3), events=[part_ended], info=v.info, idle_since=WALL - 10))
     assert v.status == "between steps"  # not "finished": the script goes on
-    v.apply(update(events=[continued(3, total_steps=8, auto_recover=False)], info=v.info, idle_since=None))
+    event = continued(3, total_steps=8, auto_recover=False)
+    v.apply(update(events=[event], info=v.info.continued(event.details), idle_since=None))  # as the hub folds it
     assert (v.total_steps, v.auto_recover, v.status) == (8, False, "training")
     v.apply(update(sample(8), info=v.info, idle_since=WALL - 10))
     assert v.status == "between steps"

@@ -153,35 +153,11 @@ def test_the_roll_names_the_ranks_that_have_not_reached_this_exchange(monkeypatc
 EVENT = Event("rank_waiting", 3, {"ranks": [1], "at": 4, "waited_s": 61}, t=1000.0)
 
 
-def test_the_screen_says_it_counting_on_until_the_next_step():
-    def step(n):
-        return StepSample(
-            t=1000.0 + n,
-            step=n,
-            epoch=0,
-            loss=1.0,
-            batch_size=8,
-            micro_batch=8,
-            accumulation=1,
-            amp="off",
-            checkpointing=False,
-            samples_per_s=8.0,
-            memory=Memory("cpu"),
-        )
-
-    v = RunView(clock=lambda: 0.0, script="ddp.py", wall=lambda: 1009.4)
-    v.apply(Update([step(3)], [EVENT], RunInfo(total_steps=100), None, None, 1))
-    assert v.status == "waiting for rank 1 since step 4 (70s)" and v.eta is None
-    v.apply(Update([step(4)], [], v.info, None, None, 1))
-    assert v.status == "training" and v.eta is not None
-
-
-def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
-    monkeypatch.setattr(jobs.time, "time", lambda: 1005.0)
-    welcome = Welcome(hello={"info": RunInfo(argv=("ddp.py",), rank=0, world_size=2).to_json()})
-    welcome.latest = StepSample(
-        t=1.0,
-        step=3,
+def step(n: int, t: float | None = None) -> StepSample:
+    """Step `n`'s record, published at `t` (1000 + n by default)."""
+    return StepSample(
+        t=1000.0 + n if t is None else t,
+        step=n,
         epoch=0,
         loss=1.0,
         batch_size=8,
@@ -192,6 +168,20 @@ def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
         samples_per_s=8.0,
         memory=Memory("cpu"),
     )
+
+
+def test_the_screen_says_it_counting_on_until_the_next_step():
+    v = RunView(clock=lambda: 0.0, script="ddp.py", wall=lambda: 1009.4)
+    v.apply(Update([step(3)], [EVENT], RunInfo(total_steps=100), None, None, 1))
+    assert v.status == "waiting for rank 1 since step 4 (70s)" and v.eta is None
+    v.apply(Update([step(4)], [], v.info, None, None, 1))
+    assert v.status == "training" and v.eta is not None
+
+
+def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
+    monkeypatch.setattr(jobs.time, "time", lambda: 1005.0)
+    welcome = Welcome(hello={"info": RunInfo(argv=("ddp.py",), rank=0, world_size=2).to_json()})
+    welcome.latest = step(3, t=1.0)
     welcome.events.append(EVENT.to_json())
     row = jobs._row(Job(1, "/tmp/x.sock"), welcome)
     assert row["state"] == "waiting" and row["waiting"] == "waiting for rank 1 since step 4 (66s)"
