@@ -86,3 +86,12 @@ class Agreed:
     fatal_oom: int
     fatal_ranks: list[int]
     stop: str | None
+    failed: int = 0
+    """Ranks whose synced backward failed (said by the exchange after it, ddp.py)."""
+    failed_fatal: int = 0
+    """Of those, ranks that cannot go on."""
+    failed_ranks: list[int] = field(default_factory=list)
+    marker: float | None = None
+    """The reduced value of the gradient element the marker took (verdict.py), put back after it."""
+    every: int = 0
+    """Steps between two exchanges when no rank has anything to say (rank 0's proposal)."""

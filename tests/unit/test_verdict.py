@@ -1,26 +1,33 @@
-"""The synced backward's verdict on DDP's last bucket (engine/strategies/verdict.py), through the
-comm hook in a one-rank gloo group: the bucket is reduced in place (no bucket-sized copy to append
-the verdict), the verdict's buffer is made once, and a rank's bit never overflows a half-precision
-bucket (fp16's 1 << 16 is inf): the ranks it cannot name are left out, the failure still counted."""
+"""The marker on DDP's last bucket (engine/strategies/verdict.py), through the comm hook in a one-rank
+gloo group: the bucket is reduced in place (no bucket-sized copy), a rank with news marks its first
+element NaN and every rank hears it from the reduced bucket, the element's share is kept to be put
+back, and the bucket's wait is the rank's own (a stop there ends it, the error kept for the step)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gputui.engine.strategies.verdict import Verdict, rank_bits, with_verdict
+from gputui.engine.result import FitError
+from gputui.engine.strategies.verdict import Marker, with_marker
 
 
 class Bucket:
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
+    def __init__(self, buffer: torch.Tensor, last: bool = True) -> None:
+        self._buffer, self._last = buffer, last
+        self.param = torch.nn.Parameter(torch.zeros(2))
 
     def is_last(self) -> bool:
-        return True
+        return self._last
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.param]
 
 
 @pytest.fixture
@@ -30,31 +37,38 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def hooked(v: Verdict, buffer: torch.Tensor) -> torch.Tensor:
-    return with_verdict(v, Bucket(buffer)).wait()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_news_marks_the_last_bucket_and_every_rank_hears_it(group, dtype):
+    m = Marker(1)
+    buffer = torch.full((8,), 3.0, dtype=dtype)
+    bucket = Bucket(buffer)
+    out = with_marker(m, bucket).wait()
+    assert out.data_ptr() == buffer.data_ptr() and out.tolist() == [3.0] * 8  # the mean over one rank, in place
+    assert (m.sent, m.heard, m.value, m.param is bucket.param) == (True, False, 3.0, True)
+    m.clear()
+    m.news = True
+    out = with_marker(m, Bucket(buffer)).wait()
+    assert m.heard and math.isnan(out[0].item()) and out[1:].tolist() == [3.0] * 7
+    assert m.value == 3.0  # its share, before the mark: what the exchange puts back
 
 
-@pytest.mark.parametrize("dtype, bits", [(torch.float16, 11), (torch.bfloat16, 8), (torch.float32, 24)])
-def test_a_rank_past_what_the_dtype_holds_is_not_named_but_counted(group, dtype, bits):
-    assert rank_bits(dtype) == bits
-    v = Verdict(1)
-    for rank, named in ((bits - 1, [bits - 1]), (bits, []), (20, [] if bits <= 20 else [20])):
-        v.clear()
-        v.mine = [1, 1, 1 << rank]
-        hooked(v, torch.ones(4, dtype=dtype))
-        assert v.summed is not None and torch.isfinite(v.summed).all(), (dtype, rank)
-        failures, fatals, mask = (round(x) for x in v.summed.tolist())
-        assert (failures, fatals) == (1, 1)
-        assert [r for r in range(min(64, v.bits)) if mask >> r & 1] == named, (dtype, rank)
+def test_a_bucket_before_the_last_is_neither_marked_nor_waited_for_here(group):
+    m = Marker(1)
+    m.news = True
+    m.wait = lambda work: pytest.fail("waited for a bucket before the last")
+    out = with_marker(m, Bucket(torch.ones(4), last=False)).wait()
+    assert out.tolist() == [1.0] * 4 and not m.sent and not m.heard
 
 
-def test_the_bucket_is_reduced_in_place_and_the_verdict_buffer_made_once(group):
-    v = Verdict(1)
-    buffer = torch.full((1000,), 2.0, dtype=torch.float16)
-    out = hooked(v, buffer)
-    assert out.data_ptr() == buffer.data_ptr() and out.tolist() == [2.0] * 1000  # the mean over one rank
-    first = v.summed
-    assert first is not None and first.tolist() == [0, 0, 0]
-    v.clear()
-    hooked(v, buffer)
-    assert v.summed is first  # the same buffer, zeroed: nothing made or copied a step
+def test_a_stop_in_the_buckets_wait_is_kept_and_raised(group):
+    m = Marker(1)
+    stop = FitError("rank 0 stopped (interrupted) while waiting for rank 1")
+
+    def wait(work):
+        work.wait()
+        raise stop
+
+    m.wait = wait
+    with pytest.raises(FitError):
+        with_marker(m, Bucket(torch.ones(4)))
+    assert m.error is stop

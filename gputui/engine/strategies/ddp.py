@@ -1,12 +1,16 @@
 """One rank of several under DistributedDataParallel.
 
 The rule that keeps a job from hanging: a rank handles an OOM alone only while it has issued no
-collective of the step's gradients. The step's exchange (exchange.py) starts as the step does (what a
-rank says is known then: its items, another batch, a stop, its last step's figures) and goes on
-while its pieces but the last run under no_sync(), then the last one's forward; it is waited for
-before the synced backward (an OOM there is rescued: this rank completes the buckets the others wait
-for, and every rank replays; a rank that can no longer train completes them too, and every rank
-stops), then the buffers' broadcast and optimizer.step().
+collective of the step's gradients. A step meets the other ranks once, in DDP's gradient all-reduce,
+where it can: under fit's own DDP on gloo, once an exchange has told every rank the global batch
+(the run's first step, and after an epoch ends), a step exchanges only when some rank marked its
+last bucket (verdict.py), after the synced backward; what that exchange decides applies at the next
+boundary, and a global batch whose size changed is put right there (its gradients rescaled).
+Otherwise (the first step, `items`, a script's DDP, NCCL) the step's exchange (exchange.py) starts as
+the step does and is waited for before the synced backward. Either way an OOM in the synced backward
+is rescued (this rank completes the buckets the others wait for, and every rank replays; a rank that
+can no longer train completes them too, and every rank stops), then the buffers' broadcast and
+optimizer.step().
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from ..result import Agreed, Failure, FitError
 from .group import abandon, is_transport, lost_ranks
 from .rank import HasNext, Rank
 
+ROWS_S = 1.0
+"""Under quiet steps, the ranks' rows (memory, loss, speed) travel about this often: an exchange every
+so many steps, as rank 0 proposes from its step rate."""
+MAX_EVERY = 1000
+
 
 class Forwarded(NamedTuple):
     """A rank's share up to its synced backward: the last micro-batch's loss (None: out of memory
@@ -36,6 +45,19 @@ class Forwarded(NamedTuple):
 
 
 class Ddp(Rank):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        d = self.group
+        # Quiet steps need the marker and a global batch that only changes when a rank says so.
+        self._can_quiet = d.marker is not None and d.can_rescue and self.runner.items is None
+        self._quiet = False  # this step exchanges nothing before its synced backward (the same on every rank)
+        self._assumed: Agreed | None = None  # what the last exchange said, for a quiet step
+        self._all_have_next = True
+        # This rank's batch, micro-batch setting and OOMs as the last exchange said them.
+        self._said: tuple[int, int | None, int] = (0, None, 0)
+        self._exchanged_at = 0  # the step of the last exchange
+        self._every = 1
+
     # -- one global batch -------------------------------------------------------------------
     def train(self, batch: Any, has_next: HasNext) -> bool | None:
         """Train this rank's share of a global batch (None: its data ran out). True: every rank has
@@ -46,7 +68,9 @@ class Ddp(Rank):
         the run on every rank (FitError)."""
         d, recovery = self.group, self.recovery
         more = has_next()
-        early = d.can_rescue  # the exchange goes on while this rank runs its forwards
+        self._all_have_next = True  # unless an exchange in this step says otherwise
+        if self._quiet and batch is None:  # its data ended with no word from the step before: said, as a failure
+            self.agreement.failure = Failure(f"rank {d.rank}'s data ended before the others'", oom=False)
         self.generators.start()
         self.buffers.save()
         attempt = 0
@@ -54,13 +78,15 @@ class Ddp(Rank):
             while True:
                 attempt += 1
                 last = None
+                quiet = self._quiet  # as the last exchange left it: the same on every rank
+                early = d.can_rescue and not quiet  # the exchange goes on while this rank runs its forwards
+                if batch is not None and (early or quiet):
+                    self._count_share(batch)
                 if early:
-                    if batch is not None:
-                        self._count_share(batch)
                     self.start_exchange(here=batch is not None, has_next=more)
-                told = self.agreement.failure is not None  # in the exchange under way
+                told = not quiet and self.agreement.failure is not None  # in the exchange under way
                 while self.agreement.failure is None and batch is not None:
-                    outcome = self._forward(batch)
+                    outcome = self._forward(batch, quiet)
                     if not isinstance(outcome, OomInfo):
                         last = outcome
                         break
@@ -72,41 +98,110 @@ class Ddp(Rank):
                     if said is not None:
                         self.agreement.failure = Failure(said, oom=True)
                     attempt += 1
-                if not early:
-                    self.start_exchange(here=batch is not None, has_next=more)
-                agreed = self.finish_exchange()
-                if agreed.fatal or not agreed.all_have_batch:
-                    recovery.drop_step()
-                    raise recovery.job_error(self.agreement.failure, agreed)
-                if self.agreement.failure is not None and not told:  # after the exchange went out
-                    raise self._failed_before_synced(agreed)
+                if quiet:
+                    assert self._assumed is not None
+                    agreed = self._assumed
+                else:
+                    if not early:
+                        self.start_exchange(here=batch is not None, has_next=more)
+                    agreed = self._exchanged(self.finish_exchange())
+                    if agreed.fatal or not agreed.all_have_batch:
+                        recovery.drop_step()
+                        raise recovery.job_error(self.agreement.failure, agreed)
+                if self.agreement.failure is not None and not told:  # after the exchange went out, or none did
+                    raise self._failed_before_synced(agreed, more, quiet)
                 assert last is not None
-                done, oom = self._synced(agreed, last, attempt)
+                done, oom = self._synced(agreed, last, attempt, more, quiet)
                 d.rebuild_buckets()
                 if done:
-                    return agreed.all_have_next
+                    return self._all_have_next
                 recovery.drop_step()  # every rank: the step's gradients, draws and running statistics
                 if oom is not None:  # the planner's pick for this rank's share, or half (_synced checked it can)
                     recovery.recover(oom, attempt, batch)
         finally:
             self.generators.end()
 
-    def _failed_before_synced(self, agreed: Agreed) -> FitError:
-        """This rank cannot train its share, and the exchange went out before it knew: the others are in
-        the synced backward. It completes DDP's buckets with zeros, its verdict saying it cannot go on,
-        so every rank drops the step and stops there."""
+    def _news(self, more: bool) -> bool:
+        """Whether this rank has something to say after a quiet step's synced backward: a control, a stop
+        or a failure; its data ending; its batch, micro-batch setting or OOMs since the last exchange;
+        or the rows due (a step count, the same on every rank)."""
+        state = self.state
+        return (
+            self.agreement.has_news
+            or not more
+            or self.boundary.signalled() is not None
+            or self.recovery.thrashing
+            or (state.units, state.micro_batch, state.ooms_recovered) != self._said
+            or state.steps - self._exchanged_at >= self._every
+        )
+
+    def _exchanged(self, agreed: Agreed) -> Agreed:
+        """What an exchange of this step told every rank, kept for the quiet steps after it."""
+        state = self.state
+        self._all_have_next = agreed.all_have_next
+        self._said = (state.units, state.micro_batch, state.ooms_recovered)
+        self._exchanged_at = state.steps
+        self._every = min(max(agreed.every, 1), MAX_EVERY)
+        self._quiet = self._can_quiet and agreed.all_have_next and agreed.items > 0 and not agreed.fatal
+        self._assumed = Agreed(agreed.items, True, True, 0, 0, [], None)
+        return agreed
+
+    def _every_proposal(self) -> int:
+        """Rank 0's: about ROWS_S of steps at its current rate (the others say 0)."""
+        latest = self.hub.latest()
+        rate = latest.steps_per_s if latest is not None else None
+        if self.group.rank != 0 or not rate:
+            return 0
+        return max(1, min(MAX_EVERY, int(ROWS_S * rate)))
+
+    def _verdict(self, more: bool, quiet: bool, assumed: int) -> tuple[int, int, list[int], Agreed | None]:
+        """After the synced backward: (ranks whose backward failed, of which cannot go on, the failing
+        ranks, the exchange's word if there was one). With the marker, an exchange only when some rank
+        marked: it carries the verdicts, puts the marked element back and, on a quiet step whose global
+        batch changed, rescales the gradients to it (`assumed`: the items they were weighted for)."""
+        d = self.group
+        m = d.marker
+        if m is None:
+            return (*d.agree_valid(), None)
+        if not m.sent:  # the bucket of a parameter that got no gradient never went out
+            from .wrapper import UNUSED
+
+            raise FitError(f"rank {d.rank}: {UNUSED}")
+        if not m.heard:
+            return 0, 0, [], None
+        failed, fatal = d.failed
+        self.start_exchange(
+            here=True,
+            has_next=more,
+            failed=bool(failed),
+            failed_fatal=bool(fatal),
+            marker=m.value,
+            every=self._every_proposal(),
+        )
+        agreed = self._exchanged(self.finish_exchange())
+        d.put_back(agreed.marker)
+        if quiet and not agreed.failed and agreed.items != assumed:  # weighted for the batch the last exchange said
+            grads = [p.grad for p in d.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, assumed / agreed.items)
+        return agreed.failed, agreed.failed_fatal, agreed.failed_ranks, agreed
+
+    def _failed_before_synced(self, agreed: Agreed, more: bool, quiet: bool) -> FitError:
+        """This rank cannot train its share, and the exchange went out before it knew (or a quiet step
+        had none): the others are in the synced backward. It completes DDP's buckets with zeros, its
+        verdict saying it cannot go on, so every rank drops the step and stops there."""
         d, recovery = self.group, self.recovery
         failure = self.agreement.failure
         assert failure is not None
-        d.begin_synced()
+        d.begin_synced(mean=not quiet)
         d.failed_synced(fatal=True)
         d.expect_backward()
         recovery.drop_step()
         self._complete_buckets(None, failure.message)
-        d.agree_valid()  # the others read theirs: this one's says what they do
-        return recovery.job_error(failure, agreed)
+        told = self._verdict(more, quiet, agreed.items)[3]  # the others read theirs: this one's says what they do
+        return recovery.job_error(failure, told or agreed)
 
-    def _forward(self, batch: Any) -> Forwarded | OomInfo | None:
+    def _forward(self, batch: Any, quiet: bool) -> Forwarded | OomInfo | None:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
         collective. Returns the OOM when this rank ran out of memory (it replays alone unless
         d.prepared says DDP's synced forward returned before it); None when it failed otherwise
@@ -120,7 +215,10 @@ class Ddp(Rank):
         try:
             counts, state.units = runner.counts(pieces, size)  # weighted by this rank's share until the exchange
             units = state.units
-            loss_sum, loss = runner.run(pieces, counts, units, lambda n: n / units, at, sync=self._sync, hold_last=True)
+            # A quiet step's pieces are weighted for the global batch the last exchange said (its buckets
+            # summed); otherwise for this rank's share, rescaled once the exchange says the global batch.
+            total = self._assumed.items if quiet and self._assumed is not None else units
+            loss_sum, loss = runner.run(pieces, counts, units, lambda n: n / total, at, sync=self._sync, hold_last=True)
             return Forwarded(loss, counts[-1], len(pieces), loss_sum, None)
         except Exception as exc:
             if is_oom(exc):
@@ -138,24 +236,26 @@ class Ddp(Rank):
     def _sync(self, last: bool) -> AbstractContextManager[Any]:
         return nullcontext() if last else self.group.model.no_sync()
 
-    def _synced(self, agreed: Agreed, last: Forwarded, attempt: int) -> tuple[bool, OomInfo | None]:
+    def _synced(
+        self, agreed: Agreed, last: Forwarded, attempt: int, more: bool, quiet: bool
+    ) -> tuple[bool, OomInfo | None]:
         """The last backward (DDP all-reduces its buckets), then the step. DDP averages the ranks'
         gradients; scaled by world_size * (this rank's items) / (all ranks' items), the average is
         the gradient of the mean loss over the global batch (its samples, or its `items`), uneven
         shards included."""
         d, runner, state, recovery = self.group, self.runner, self.state, self.recovery
-        world = d.world_size
+        world = 1 if quiet else d.world_size  # a quiet step's buckets are summed, not averaged
         loss, n, count, loss_sum = last.loss, last.items, last.pieces, last.loss_sum
         if not agreed.items:  # the same on every rank: all raise here, before any collective
             recovery.drop_step()
             raise recovery.no_items(everywhere=True)
         scale = world * state.units / agreed.items
-        if count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
+        if not quiet and count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
             for group in runner.optimizer.param_groups:
                 grads = [p.grad for p in group["params"] if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, scale)
-        d.begin_synced()
+        d.begin_synced(news=quiet and self._news(more), mean=not quiet)
         failed, oom = last.oom, True
         weighted = None
         if loss is not None:
@@ -163,6 +263,10 @@ class Ddp(Rank):
             try:
                 runner.backward(weighted)
             except Exception as exc:
+                stopped = d.bucket_error()
+                if stopped is not None:  # this rank's wait for the others ended (a stop, a timeout)
+                    recovery.drop_step()
+                    raise stopped from None
                 oom = is_oom(exc)
                 if not oom and is_transport(exc):  # a rank stopped answering in DDP's all-reduce: at the timeout
                     abandon(None)
@@ -190,7 +294,11 @@ class Ddp(Rank):
             del last
         del loss
         d.prepared = None
-        failures, fatals, ranks = d.agree_valid()
+        failures, fatals, ranks, told = self._verdict(more, quiet, agreed.items)
+        if told is not None and told.fatal:  # a rank's failure before its synced backward, said only now
+            del weighted
+            recovery.drop_step()
+            raise recovery.job_error(self.agreement.failure, told)
         if failures:
             del weighted
             if not fatals:
@@ -226,6 +334,9 @@ class Ddp(Rank):
         try:
             self.group.complete_buckets(reached)
         except Exception as exc:
+            stopped = self.group.bucket_error()
+            if stopped is not None:  # this rank's wait for the others ended (a stop, a timeout)
+                raise stopped from None
             raise self.recovery.buckets_failed(message, self.group.rank, exc) from None
         finally:
             if tracker is not None:

@@ -64,6 +64,10 @@ JOB: dict[str, Kind] = {
     "interrupted": COUNT,  # ranks a SIGINT reached
     "terminated": COUNT,  # ranks a SIGTERM reached
     "requested": COUNT,  # ranks asked to stop (the stop control)
+    "failed": COUNT,  # ranks whose synced backward failed (an exchange after it)
+    "failed_fatal": COUNT,  # of those, ranks that cannot go on
+    "failed_ranks": COUNT,  # those ranks below MASKED_RANKS, one bit each
+    "every": COUNT,  # rank 0's steps between two exchanges when no rank has news
 }
 MASKED_RANKS = 62  # fatal_ranks names ranks below this one (bits of an int64)
 STOPS = ("terminated", "interrupted", "requested")
@@ -88,6 +92,7 @@ RANK: dict[str, Kind] = {
     "samples_per_s": FLOAT,
     "ooms": COUNT,  # OOMs it recovered from, in all
     "thrashing": FLAG,  # its allocator thrashed since the last exchange
+    "marker": FLOAT,  # its share of the gradient element the marker took (verdict.py)
 }
 
 
@@ -146,6 +151,11 @@ class Agreement:
         """Controls this rank drained at its boundary: the next exchange tells every rank."""
         self._outgoing.extend(controls)
 
+    @property
+    def has_news(self) -> bool:
+        """Whether this rank has something to tell the others: controls asked of it, or its failure."""
+        return bool(self._outgoing) or self.failure is not None
+
     def aligned(self) -> tuple[int, int] | None:
         """The smallest micro-batch setting among the ranks (and a rank that has it), where some rank
         set one (an OOM it recovered from alone, a control): every rank runs the same from the next
@@ -200,6 +210,10 @@ class Agreement:
         samples_per_s: float | None = None,
         ooms: int = 0,
         thrashing: bool = False,
+        failed: bool = False,
+        failed_fatal: bool = False,
+        marker: float | None = None,
+        every: int = 0,
     ) -> None:
         """Start the step's one collective (asynchronous, on the CPU), waited for by finish() before the
         synced backward; `items`: this rank's share of the
@@ -219,6 +233,10 @@ class Agreement:
             "fatal_oom": failure is not None and failure.oom,
             "fatal_ranks": 1 << self.rank if failure is not None and self.rank < MASKED_RANKS else 0,
             **{reason: stop == reason for reason in STOPS},
+            "failed": failed,
+            "failed_fatal": failed and failed_fatal,
+            "failed_ranks": 1 << self.rank if failed and self.rank < MASKED_RANKS else 0,
+            "every": every,
         }
         job["requested"] = job["requested"] or bool(asked.pop(("stop", None), None))
         mine = {
@@ -231,6 +249,7 @@ class Agreement:
             "samples_per_s": samples_per_s,
             "ooms": ooms,
             "thrashing": thrashing,
+            "marker": marker,
         }
         counts = [len(asked.get(key, ())) for key in CONTROLS]
         tensor = torch.tensor(encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64)
@@ -267,6 +286,7 @@ class Agreement:
         self._configured = [row["setting"] for row in rows]
         self._batches = [row["batch"] for row in rows]
         totals = summed.job
+        markers = [row["marker"] for row in rows]
         return Agreed(
             items=totals["items"],
             all_have_batch=totals["has_batch"] == self.world_size,
@@ -275,4 +295,9 @@ class Agreement:
             fatal_oom=totals["fatal_oom"],
             fatal_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["fatal_ranks"] >> r & 1],
             stop=next((reason for reason in STOPS if totals[reason]), None),
+            failed=totals["failed"],
+            failed_fatal=totals["failed_fatal"],
+            failed_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["failed_ranks"] >> r & 1],
+            marker=None if None in markers else sum(markers),
+            every=totals["every"],
         )

@@ -62,6 +62,8 @@ class Rank:
                 group.rank, ranks, waited, stop, group.rank_timeout
             ),
         ).wait
+        if group.marker is not None:  # the synced backward's last bucket is waited for the same way
+            group.marker.wait = lambda work: agreement.wait(work, -1 - state.steps)
 
     @property
     def ranks(self) -> Any:
@@ -204,9 +206,10 @@ class Rank:
         self.start_exchange(here=here, has_next=has_next)
         return self.finish_exchange()
 
-    def start_exchange(self, *, here: bool, has_next: bool) -> None:
+    def start_exchange(self, *, here: bool, has_next: bool, **verdict: Any) -> None:
         """Start the exchange with what this rank says: its batch (`here`: its items in state.units), a
-        signal, its micro-batch and batch, its last step's peak and capacity."""
+        signal, its micro-batch and batch, its last step's peak and capacity (after a synced backward,
+        `verdict`: its own, the marked element's share, rank 0's proposed exchange interval)."""
         state, recovery = self.state, self.recovery
         self._signalled = signalled = self.boundary.signalled()
         memory, latest = state.memory, self.hub.latest()
@@ -223,6 +226,7 @@ class Rank:
             samples_per_s=latest.samples_per_s if latest is not None else None,
             ooms=state.ooms_recovered,
             thrashing=recovery.thrashing,
+            **verdict,
         )
         recovery.thrashing = False  # said
 

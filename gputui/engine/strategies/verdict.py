@@ -1,80 +1,80 @@
-"""The synced backward's verdict under DDP: whether any rank's failed, carried on DDP's own last
-gradient bucket (no collective of its own), and what a rank needs to rescue the others from its
-failure (which parameters' gradients DDP took already, which ones the failed graph reaches)."""
+"""The synced backward's verdict under fit's own DDP on gloo, with no collective of its own.
+
+Every collective costs a step the time the ranks take to meet (on a loaded CPU, a millisecond), so
+most steps exchange nothing: a rank with something to say (its backward failed, a control or a stop
+asked of it, its data ending, its micro-batch or batch changed, the rows due) writes NaN into the
+first element of DDP's last gradient bucket before it goes out. The all-reduce carries the NaN to
+every rank, so each knows at the same point, from what it holds, whether the step needs an exchange
+(ddp.py); the element's true value travels in that exchange and is put back. The last bucket is
+waited for here, in slices (waiting.py), so a rank that stops answering is said and a stop is heard.
+Also here: what a rank needs to rescue the others from its failure (which parameters' gradients DDP
+took already, which ones the failed graph reaches)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-MASKED_RANKS = 62  # the int64 verdict of a script's DDP names the failing ranks below this one
-
-
-def rank_bits(dtype: torch.dtype) -> int:
-    """How many ranks a verdict in `dtype` can name, one bit each: summed powers of two stay exact up to
-    the mantissa's width (fp16's 1 << 16 would be inf, and 1 << 11 no longer exact)."""
-    if not dtype.is_floating_point:
-        return MASKED_RANKS
-    return min(round(-math.log2(torch.finfo(dtype).eps)) + 1, MASKED_RANKS)
+MASKED_RANKS = 62  # the verdict of a script's DDP names the failing ranks below this one (bits of an int64)
 
 
-class Verdict:
-    """This rank's verdict on its synced backward (failed, cannot go on, its bit) and every rank's
-    summed, as fit's DDP comm hook carries them; nothing else, so nothing leads back to the wrapper.
-    The summed verdict lives in a buffer of the bucket's dtype and device made once, so a step copies
-    nothing to the device for it."""
+class Marker:
+    """This rank's side of the marker, as fit's DDP comm hook uses it; nothing else, so nothing leads
+    back to the wrapper (DDP's reducer keeps the hook's state in C++, where the garbage collector
+    cannot see a cycle: one back to the wrapper would keep its gradient buckets alive)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.wait: Callable[[Any], None] = Marker.wait_alone  # the rank's Waiter, once it has one
         self.clear()
 
+    @staticmethod
+    def wait_alone(work: Any) -> None:
+        work.wait()
+
     def clear(self) -> None:
-        self.mine = [0, 0, 0]
-        self.sent = False  # the step's last bucket went out, carrying `mine`
-        self.summed: torch.Tensor | None = None
-        self.bits = MASKED_RANKS  # the ranks `summed` can name
-
-    def filled(self, like: torch.Tensor) -> torch.Tensor:
-        """`mine` in the buffer of `like`'s dtype and device: zeroed, or set element by element (a fill
-        each, no copy from the host) on a failure, the rank's bit only where the dtype holds it."""
-        key = (like.dtype, like.device)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = self._buffers[key] = torch.zeros(3, dtype=like.dtype, device=like.device)
-        self.bits = rank_bits(like.dtype)
-        buffer.zero_()
-        failed, fatal, bit = self.mine
-        if failed:
-            buffer[0], buffer[1] = 1, fatal
-            if 0 < bit < 1 << self.bits:
-                buffer[2] = bit
-        return buffer
+        self.mean = True  # the buckets divided by the world size (DDP's mean); else summed (a quiet step)
+        self.news = False  # this rank marks the step's last bucket
+        self.sent = False  # the step's last bucket went out
+        self.heard = False  # some rank marked it: the step exchanges after its synced backward
+        self.value = 0.0  # this rank's share of the marked element, as it went out
+        self.param: torch.Tensor | None = None  # the parameter whose gradient holds the element
+        self.error: BaseException | None = None  # what ended the wait for the bucket (a stop, a timeout)
 
 
-def with_verdict(v, bucket):
-    """DDP's all-reduce of a bucket (the mean over the ranks, in place as its default hook), and on the
-    step's last bucket each rank's verdict on its synced backward, summed by an all_reduce of its own
-    issued with it (no bucket-sized copy to append it). Unannotated: DDP compares the annotations
-    with its own types, and here they would be strings."""
-    if not bucket.is_last():
-        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+def _reduced(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    return done.value()[0]
+
+
+def with_marker(m, bucket):
+    """DDP's all-reduce of a bucket, in place as its default hook: the mean over the ranks, or on a
+    quiet step the sum (its losses were weighted for the global batch, so no pass divides them); the
+    step's last bucket marked when this rank has news, and waited for in slices. Unannotated: DDP
+    compares the annotations with its own types, and here they would be strings."""
     buffer = bucket.buffer()
-    v.sent = True
-    verdict = v.filled(buffer)
-    summed = dist.all_reduce(buffer.div_(v.world_size), async_op=True).get_future()
-    said = dist.all_reduce(verdict, async_op=True).get_future()
-
-    def both(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
-        done.value()  # raises the error of either
-        v.summed = verdict
-        return summed.value()[0]
-
-    return torch.futures.collect_all([summed, said]).then(both)
+    if m.mean:
+        buffer.div_(m.world_size)
+    if not bucket.is_last():
+        return dist.all_reduce(buffer, async_op=True).get_future().then(_reduced)
+    m.sent = True
+    m.param = bucket.parameters()[0]  # the buffer starts with this parameter's gradient
+    m.value = buffer[0].item()  # a CPU tensor: no device to wait for
+    if m.news:
+        buffer[0] = math.nan
+    work = dist.all_reduce(buffer, async_op=True)
+    try:
+        m.wait(work)
+    except BaseException as exc:  # raised inside DDP's reducer, it comes out of backward() as its own error
+        m.error = exc
+        raise
+    m.heard = math.isnan(buffer[0].item())
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 def arrival(arrived: set[int], index: int) -> Any:

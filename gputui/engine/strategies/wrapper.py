@@ -16,9 +16,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from ..result import FitError
 from .group import collective, distributed_sampler, exchange_group, job_id, join, warn_sampler
-from .verdict import MASKED_RANKS, Verdict, arrival, reachable, tensors, with_verdict
+from .verdict import MASKED_RANKS, Marker, arrival, reachable, tensors, with_marker
 
 UNUSED = (
     "some parameters got no gradient in this step, so DDP could not finish its reduction, and fit wrapped "
@@ -54,8 +53,8 @@ class Distributed:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.rank_timeout = rank_timeout  # how long a rank waits for the others before it gives up
         self.exchange_group = exchange_group(rank_timeout)
-        self._on_buckets = False  # the verdict rides on DDP's last bucket (else: a CPU all_reduce of its own)
-        self._verdict = Verdict(self.world_size)  # this rank's verdict on its synced backward, and every rank's
+        self.marker: Marker | None = None  # the verdict on DDP's last bucket (else: a CPU all_reduce of its own)
+        self._failed = (0, 0)  # this rank's verdict on its synced backward: failed, cannot go on
         self._buffer_sync: tuple[str, bool] | None = None
         self.model: Any
         self.fsdp = shard or isinstance(model, FSDPModule)
@@ -75,17 +74,14 @@ class Distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             self.model = DistributedDataParallel(model, device_ids=device_ids, **_NO_FORWARD_SYNC)
             self.ours = True
-            # Whether the synced backward failed anywhere rides on DDP's own gradient all-reduce (the
-            # last bucket's, a few more elements): no collective of its own. A script's DDP may have a
-            # hook of its own: there a small all_reduce after the backward says it (agree_valid).
-            # The hook's state holds the verdicts alone: DDP's reducer keeps it in C++, where the
-            # garbage collector cannot see a cycle, and one back to the wrapper kept it alive after
-            # fit with its gradient buckets (a copy of every gradient) for the life of the process.
-            # Under NCCL the verdict goes on the CPU instead, beside the exchange: read from a GPU bucket
-            # it would make every step wait for the device.
-            self._on_buckets = self.exchange_group is None
-            if self._on_buckets:
-                self.model.register_comm_hook(self._verdict, with_verdict)
+            # Whether the synced backward failed anywhere, or any rank has news, rides on DDP's own
+            # gradient all-reduce (verdict.py): no collective of its own. A script's DDP may have a hook
+            # of its own: there a small all_reduce after the backward says it (agree_valid). Under NCCL,
+            # or gloo with the model on a GPU, the verdict goes on the CPU beside the exchange: read from
+            # a GPU bucket, it would make every step wait for the device.
+            if self.exchange_group is None and device.type == "cpu":
+                self.marker = Marker(self.world_size)
+                self.model.register_comm_hook(self.marker, with_marker)
         if not self.fsdp:
             self.inner: nn.Module = self.model.module
             synced = self.ours or (self._buffer_sync is not None and self._buffer_sync[1])
@@ -189,33 +185,56 @@ class Distributed:
         rank failed before may not have reached), so complete_buckets() reduces every bucket."""
         self.model.reducer.prepare_for_backward([])
 
-    def begin_synced(self) -> None:
-        """Before the synced backward: no gradient taken yet, nothing failed."""
+    def begin_synced(self, news: bool = False, mean: bool = True) -> None:
+        """Before the synced backward: no gradient taken yet, nothing failed; `news`: this rank marks
+        its last bucket (it has something to say after the backward); not `mean`: the buckets are
+        summed (a quiet step, weighted for the global batch; fit's comm hook only)."""
         self.arrived.clear()
-        self._verdict.clear()
+        self._failed = (0, 0)
+        if self.marker is not None:
+            self.marker.clear()
+            self.marker.news, self.marker.mean = news, mean
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters DDP reduces the gradients of."""
+        return self._params
+
+    @property
+    def failed(self) -> tuple[int, int]:
+        """This rank's verdict on its synced backward: (failed, cannot go on)."""
+        return self._failed
 
     def failed_synced(self, fatal: bool) -> bool:
         """This rank's synced step failed, before its buckets are completed: the last one carries it.
         False when the last bucket went out before the failure (the others cannot hear of it now)."""
-        bit = 1 << self.rank if self.rank < MASKED_RANKS else 0
-        self._verdict.mine = [1, int(fatal), bit]
-        return not (self._on_buckets and self._verdict.sent)
+        self._failed = (1, int(fatal))
+        if self.marker is None:
+            return True
+        self.marker.news = True
+        return not self.marker.sent
+
+    def bucket_error(self) -> BaseException | None:
+        """What ended this rank's wait for its last bucket (a stop, the others gone), raised out of
+        DDP's reducer as an error of its own."""
+        return self.marker.error if self.marker is not None else None
+
+    def put_back(self, value: float | None) -> None:
+        """The marked gradient element's reduced value, from the exchange after the synced backward."""
+        m = self.marker
+        if m is not None and m.param is not None and m.param.grad is not None and value is not None:
+            m.param.grad.view(-1)[0] = value
 
     def agree_valid(self) -> tuple[int, int, list[int]]:
-        """After the synced backward, before anything uses its gradients: (ranks whose backward failed,
-        of which cannot go on, the failing ranks). Every rank drops the step's gradients on a failure."""
-        if self._on_buckets:
-            summed = self._verdict.summed
-            if summed is None:  # the bucket of a parameter that got no gradient never went out
-                raise FitError(f"rank {self.rank}: {UNUSED}")
-            failures, fatals, ranks = (round(x) for x in summed.tolist())
-            bits = self._verdict.bits
-        else:
-            tensor = torch.tensor(self._verdict.mine, dtype=torch.int64)  # on the CPU: no wait for the device
-            collective(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.exchange_group)
-            failures, fatals, ranks = tensor.tolist()
-            bits = MASKED_RANKS
-        return failures, fatals, [r for r in range(min(self.world_size, bits)) if ranks >> r & 1]
+        """After the synced backward, without the marker (a script's DDP, NCCL): (ranks whose backward
+        failed, of which cannot go on, the failing ranks), by a CPU all_reduce of the verdicts. Every
+        rank drops the step's gradients on a failure."""
+        failed, fatal = self._failed
+        bit = 1 << self.rank if failed and self.rank < MASKED_RANKS else 0
+        tensor = torch.tensor([failed, fatal, bit], dtype=torch.int64)  # on the CPU: no wait for the device
+        collective(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.exchange_group)
+        failures, fatals, ranks = tensor.tolist()
+        return failures, fatals, [r for r in range(min(self.world_size, MASKED_RANKS)) if ranks >> r & 1]
 
     def rebuild_buckets(self) -> None:
         """DDP rebuilds its buckets (rank 0 broadcasts their order) in the first forward after the first
@@ -229,6 +248,9 @@ class Distributed:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self.marker is not None:  # the reducer keeps the hook's state: nothing of the run stays reachable
+            self.marker.wait = Marker.wait_alone
+            self.marker.param = None
         if self._buffer_sync is not None:
             setattr(self.model, *self._buffer_sync)
 
