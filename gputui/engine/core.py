@@ -46,6 +46,10 @@ from .state import RunState
 from .strategies.single import Single
 
 
+def _ANOTHER() -> bool:
+    return True
+
+
 class Core:
     def __init__(
         self,
@@ -199,7 +203,8 @@ class Core:
     def step(self, batch: Any, has_next: Any = None) -> bool:
         """Train one global batch (None: this rank's data ran out, the others' not yet): the boundary,
         the planner's turn, the strategy, the step's record. False: stopped before it was trained.
-        `has_next`: under torchrun, what says whether this rank has another batch (strategies/ddp.py)."""
+        `has_next`: under torchrun, what says whether this rank has another batch (strategies/ddp.py);
+        the script's own loop (gputui.Trainer) says nothing: each rank has another until its loop ends."""
         state, hub = self.state, self.hub
         idle = hub.idle_since
         if idle is not None and time.time() - idle >= IDLE_S:
@@ -211,7 +216,7 @@ class Core:
             return False
         if batch is not None:
             self.planning.at_boundary(batch)
-        more = self._train(batch, has_next)
+        more = self._train(batch, has_next if has_next is not None else _ANOTHER)
         hub.idle_since = time.time()
         if more is None:
             return False

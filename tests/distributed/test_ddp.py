@@ -148,6 +148,14 @@ for name in sys.argv[3:]:
     if name.startswith("equal"):  # equal-None, equal-2
         size = name.split("-")[1]
         run(name, mine, micro_batch=None if size == "None" else int(size), epochs=2)
+    elif name == "trainer":  # the script's own loop, gputui.Trainer: 2 epochs of its shards at micro-batch 2
+        hubs.install(hubs.Hub())
+        model = make_model()
+        with gputui.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), step, micro_batch=2) as trainer:
+            results = [trainer.step(b) for _ in range(2) for b in mine]
+        torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
+        with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
+            json.dump({"steps": [r.steps for r in results], "trained": [r.trained for r in results]}, f)
     elif name == "uneven-lengths":  # rank 0 has 3 batches an epoch, rank 1 two: both train 2 an epoch
         run(name, mine if rank == 0 else mine[:2], epochs=2)
     elif name == "refit":  # the script keeps the DDP wrapper fit made (its step is given it) and fits it again
@@ -433,10 +441,15 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 def test_ddp_equals_one_process_and_controls_agree(tmp_path):
     """fit initialises the group itself here. Weights equal the single-process reference (uneven
-    last batch, micro-batch None and 2); uneven data lengths end each epoch on every rank at the
-    shortest; a halve and a stop sent to rank 0 alone are applied by both at the same step."""
-    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls", "refit")
+    last batch, micro-batch None and 2; and through gputui.Trainer); uneven data lengths end each
+    epoch on every rank at the shortest; a halve and a stop sent to rank 0 alone are applied by both
+    at the same step."""
+    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls", "refit", "trainer")
     expected = reference(epochs=2)
+    # The script's own loop (gputui.Trainer) trains the same, each rank's step counted alike.
+    for record, state in zip(records(out, "trainer"), weights(out, "trainer"), strict=True):
+        assert (record["steps"], all(record["trained"])) == ([1, 2, 3, 4, 5, 6], True), record
+        assert_close(state, expected)
     for name in ("equal-None", "equal-2"):
         for rank, (record, state) in enumerate(zip(records(out, name), weights(out, name), strict=True)):
             assert (record["rank"], record["world_size"], record["steps"], record["epochs"]) == (rank, 2, 6, 2)

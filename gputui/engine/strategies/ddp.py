@@ -31,6 +31,8 @@ ROWS_S = 1.0
 """Under quiet steps, the ranks' rows (memory, loss, speed) travel about this often: an exchange every
 so many steps, as rank 0 proposes from its step rate."""
 MAX_EVERY = 1000
+FIRST_EVERY = 8
+"""Before rank 0 knows its step rate (the run's first exchange)."""
 
 
 class Forwarded(NamedTuple):
@@ -55,6 +57,7 @@ class Ddp(Rank):
         self._all_have_next = True
         # This rank's batch, micro-batch setting and OOMs as the last exchange said them.
         self._said: tuple[int, int | None, int] = (0, None, 0)
+        self._saying: tuple[int, int | None, int] = self._said
         self._exchanged_at = 0  # the step of the last exchange
         self._every = 1
 
@@ -83,7 +86,7 @@ class Ddp(Rank):
                 if batch is not None and (early or quiet):
                     self._count_share(batch)
                 if early:
-                    self.start_exchange(here=batch is not None, has_next=more)
+                    self.start_exchange(here=batch is not None, has_next=more, every=self._every_proposal())
                 told = not quiet and self.agreement.failure is not None  # in the exchange under way
                 while self.agreement.failure is None and batch is not None:
                     outcome = self._forward(batch, quiet)
@@ -103,7 +106,7 @@ class Ddp(Rank):
                     agreed = self._assumed
                 else:
                     if not early:
-                        self.start_exchange(here=batch is not None, has_next=more)
+                        self.start_exchange(here=batch is not None, has_next=more, every=self._every_proposal())
                     agreed = self._exchanged(self.finish_exchange())
                     if agreed.fatal or not agreed.all_have_batch:
                         recovery.drop_step()
@@ -135,11 +138,16 @@ class Ddp(Rank):
             or state.steps - self._exchanged_at >= self._every
         )
 
+    def start_exchange(self, *, here: bool, has_next: bool, **verdict: Any) -> None:
+        state = self.state
+        self._saying = (state.units, state.micro_batch, state.ooms_recovered)  # what changes later is news
+        super().start_exchange(here=here, has_next=has_next, **verdict)
+
     def _exchanged(self, agreed: Agreed) -> Agreed:
         """What an exchange of this step told every rank, kept for the quiet steps after it."""
         state = self.state
         self._all_have_next = agreed.all_have_next
-        self._said = (state.units, state.micro_batch, state.ooms_recovered)
+        self._said = self._saying
         self._exchanged_at = state.steps
         self._every = min(max(agreed.every, 1), MAX_EVERY)
         self._quiet = self._can_quiet and agreed.all_have_next and agreed.items > 0 and not agreed.fatal
@@ -148,11 +156,11 @@ class Ddp(Rank):
 
     def _every_proposal(self) -> int:
         """Rank 0's: about ROWS_S of steps at its current rate (the others say 0)."""
+        if self.group.rank != 0:
+            return 0
         latest = self.hub.latest()
         rate = latest.steps_per_s if latest is not None else None
-        if self.group.rank != 0 or not rate:
-            return 0
-        return max(1, min(MAX_EVERY, int(ROWS_S * rate)))
+        return max(1, min(MAX_EVERY, int(ROWS_S * rate))) if rate else FIRST_EVERY
 
     def _verdict(self, more: bool, quiet: bool, assumed: int) -> tuple[int, int, list[int], Agreed | None]:
         """After the synced backward: (ranks whose backward failed, of which cannot go on, the failing
