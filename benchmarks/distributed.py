@@ -101,15 +101,16 @@ def markdown(r: dict[str, Any]) -> str:
         f"{c['name']} of {c['numel']} {c['dtype']} x{c['per_step']:.3g} ({harness.fmt(c['us']['median'])} us)"
         for c in p["collectives"]
     )
+    agree = p.get("agree_valid_us", {})
     lines += [
         "",
-        f"What fit adds a step ({p['steps']} steps of {p['workload']} through fit alone, rank 0, each call's "
-        f"median): {per_step or 'no collective'}; waiting for the exchange (started as the step began) took "
-        f"{harness.spread(p.get('finish_us', {}))} us a step and agree_valid "
-        f"{harness.spread(p.get('agree_valid_us', {}))} us, "
-        "waiting for the other rank included. "
-        "Under gloo the verdict of the synced backward rides with DDP's last gradient bucket (an all_reduce of 3 "
-        "elements issued by fit's comm hook with it), counted above where it goes through dist.all_reduce.",
+        f"fit's own collectives ({p['steps']} steps of {p['workload']} through fit alone, rank 0, each call's "
+        f"median): {per_step or 'none'} (x: calls a step). Under fit's own DDP on gloo a step exchanges only "
+        "when some rank marked DDP's last gradient bucket (news: a control, a stop, a changed batch or "
+        "micro-batch, its data ending) or for the ranks' rows about once a second, and the synced backward's "
+        "verdict rides on that bucket; each exchange waited "
+        f"{harness.spread(p.get('finish_us', {}))} us, waiting for the other rank included"
+        + (f"; the verdict's own all_reduce (agree_valid) {harness.spread(agree)} us." if agree.get("median") else "."),
     ]
     return "\n".join(lines)
 
