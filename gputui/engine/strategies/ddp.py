@@ -139,6 +139,7 @@ class Ddp(Rank):
         )
 
     def start_exchange(self, *, here: bool, has_next: bool, **verdict: Any) -> None:
+        """As Rank's, keeping what this rank says: what differs from it at a quiet step is news."""
         state = self.state
         self._saying = (state.units, state.micro_batch, state.ooms_recovered)  # what changes later is news
         super().start_exchange(here=here, has_next=has_next, **verdict)
