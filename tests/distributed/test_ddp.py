@@ -81,13 +81,21 @@ def wide_batches():  # 2 global batches of 16: 8 a rank
 
 def count_tokens(batch):
     return (batch["labels"] != -100).sum()
+
+
+def conv_model():  # channels_last: the gradient DDP's last bucket starts with is not contiguous
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 4, 1), nn.Tanh(), nn.Conv2d(4, 1, 2, bias=False), nn.Flatten()
+    )
+    return model.to(memory_format=torch.channels_last)
 """
 
 SCRIPT = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
 from common import make_model, global_batches, shard, step, token_model, token_batches, token_shard, token_step
-from common import count_tokens
+from common import conv_model, count_tokens
 import gputui
 from gputui.telemetry import hub as hubs
 from helpers import RequestAt
@@ -156,6 +164,8 @@ for name in sys.argv[3:]:
         torch.save(model.state_dict(), os.path.join(out, f"{name}.{rank}.pt"))
         with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
             json.dump({"steps": [r.steps for r in results], "trained": [r.trained for r in results]}, f)
+    elif name == "channels-last":  # the uneven last batch is news: the marked element is put back
+        run(name, mine, make_model=conv_model, epochs=2)
     elif name == "uneven-lengths":  # rank 0 has 3 batches an epoch, rank 1 two: both train 2 an epoch
         run(name, mine if rank == 0 else mine[:2], epochs=2)
     elif name == "refit":  # the script keeps the DDP wrapper fit made (its step is given it) and fits it again
@@ -371,11 +381,11 @@ def weights(out: Path, name: str) -> list[dict[str, torch.Tensor]]:
     return [torch.load(out / f"{name}.{rank}.pt") for rank in (0, 1)]
 
 
-def reference(epochs: int) -> dict[str, torch.Tensor]:
+def reference(epochs: int, make: str = "make_model") -> dict[str, torch.Tensor]:
     """One process, the whole global batch each step, a plain loop."""
     namespace: dict = {}
     exec(COMMON, namespace)
-    model = namespace["make_model"]()
+    model = namespace[make]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(epochs):
         for batch in namespace["global_batches"]():
@@ -441,11 +451,17 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 def test_ddp_equals_one_process_and_controls_agree(tmp_path):
     """fit initialises the group itself here. Weights equal the single-process reference (uneven
-    last batch, micro-batch None and 2; and through gputui.Trainer); uneven data lengths end each
+    last batch, micro-batch None and 2; through gputui.Trainer; a channels_last model, whose gradients
+    DDP's buckets hold in that layout); uneven data lengths end each
     epoch on every rank at the shortest; a halve and a stop sent to rank 0 alone are applied by both
     at the same step."""
-    out = launch(tmp_path, "fit-group", "equal-None", "equal-2", "uneven-lengths", "controls", "refit", "trainer")
+    names = ("equal-None", "equal-2", "uneven-lengths", "controls", "refit", "trainer", "channels-last")
+    out = launch(tmp_path, "fit-group", *names)
     expected = reference(epochs=2)
+    # A model in channels_last: the element the marker took is put back where the bucket had it.
+    for record, state in zip(records(out, "channels-last"), weights(out, "channels-last"), strict=True):
+        assert (record["steps"], record.get("error")) == (6, None), record
+        assert_close(state, reference(epochs=2, make="conv_model"))
     # The script's own loop (gputui.Trainer) trains the same, each rank's step counted alike.
     for record, state in zip(records(out, "trainer"), weights(out, "trainer"), strict=True):
         assert (record["steps"], all(record["trained"])) == ([1, 2, 3, 4, 5, 6], True), record

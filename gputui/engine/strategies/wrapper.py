@@ -220,10 +220,14 @@ class Distributed:
         return self.marker.error if self.marker is not None else None
 
     def put_back(self, value: float | None) -> None:
-        """The marked gradient element's reduced value, from the exchange after the synced backward."""
+        """The marked gradient element's reduced value, from the exchange after the synced backward. The
+        bucket holds each gradient in its parameter's layout (DDP's bucket views take its strides), so
+        the marked element is the one first in memory: at index (0, ..., 0) in any layout, where a view
+        of the gradient as one row would fail for one that is not contiguous (channels_last)."""
         m = self.marker
         if m is not None and m.param is not None and m.param.grad is not None and value is not None:
-            m.param.grad.view(-1)[0] = value
+            grad = m.param.grad
+            grad[(0,) * grad.dim()] = value
 
     def agree_valid(self) -> tuple[int, int, list[int]]:
         """After the synced backward, without the marker (a script's DDP, NCCL): (ranks whose backward
