@@ -210,6 +210,20 @@ for name in sys.argv[3:]:
                         os.kill(os.getpid(), getattr(signal, "SIG" + name.split("-")[1]))
 
         run(name, mine * 10, make_hub=lambda hub: rank == 1 and hub.add_sink(SignalAt()))
+    elif name == "ctrl-c-slow":  # a Ctrl-C reaches both ranks in step 5, where rank 0 is 3 s slower
+        import signal
+        import time
+        calls = []
+        def slow(model, batch, plain=step):
+            calls.append(1)
+            if len(calls) == 5:
+                os.kill(os.getpid(), signal.SIGINT)
+                if rank == 0:
+                    time.sleep(3)
+            return plain(model, batch)
+        plain, step = step, slow
+        run(name, mine * 4)
+        step = plain
     elif name.startswith("thrash-"):  # rank 1's allocator thrashes from step 1 on (retries rising every step)
         import types
         import gputui.engine.session as session
@@ -503,16 +517,21 @@ def test_ddp_equals_one_process_and_controls_agree(tmp_path):
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGTERM (a scheduler's) or SIGINT (a Ctrl-C) reaching rank 1 alone, after its step 3: said at
     step 4's exchange, so both ranks finish step 4 and stop there, with the same weights. A Ctrl-C
-    reaches a rank twice under torchrun (the terminal's, then torchrun's): still one graceful stop.
-    A rank whose process ends mid-run leaves the other with a FitError that says so (it goes last:
-    rank 1 is gone after it)."""
-    out = launch(tmp_path, "fit-group", "signal-TERM", "signal-INT", "signal-INT-twice", "unused", "bigloss", "vanish")
+    reaches a rank twice under torchrun (the terminal's, then torchrun's): still one graceful stop,
+    and one that reaches every rank while one is slow inside its step too. A rank whose process ends
+    mid-run leaves the other with a FitError that says so (it goes last: rank 1 is gone after it)."""
+    names = ("signal-TERM", "signal-INT", "signal-INT-twice", "ctrl-c-slow", "unused", "bigloss", "vanish")
+    out = launch(tmp_path, "fit-group", *names)
     stops = (("signal-TERM", "terminated"), ("signal-INT", "interrupted"), ("signal-INT-twice", "interrupted"))
     for name, reason in stops:
         for record in records(out, name):
             assert (record["stopped"], record["steps"], record.get("error")) == (reason, 4, None), name
         a, b = weights(out, name)
         assert_close(a, b)
+    # A Ctrl-C reaching every rank while one is seconds behind in its step: rank 1, waiting for rank 0 in
+    # the synced backward, waits it out (rank 0 is alive) and both stop together after step 5.
+    for record in records(out, "ctrl-c-slow"):
+        assert (record["stopped"], record["steps"], record.get("error")) == ("interrupted", 5, None), record
     # A rank gone without a word: the others say so in a FitError, not with gloo's traceback.
     survivor = json.loads((out / "vanish.0.json").read_text())
     assert survivor["error"].startswith("rank 0 lost the other ranks"), survivor

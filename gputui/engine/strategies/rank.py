@@ -52,7 +52,7 @@ class Rank:
         self._cooling = 0  # steps before the OOM prevention looks at the peaks again
         self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
         self._signalled: str | None = None  # the stop signal this rank said at the exchange under way
-        agreement.wait = Waiter(
+        waiter = Waiter(
             group.rank,
             group.world_size,
             timeout_s=group.rank_timeout,
@@ -61,9 +61,10 @@ class Rank:
             unanswered=lambda ranks, waited, stop: recovery.unanswered(
                 group.rank, ranks, waited, stop, group.rank_timeout
             ),
-        ).wait
+        )
+        agreement.wait = waiter.wait
         if group.marker is not None:  # the synced backward's last bucket is waited for the same way
-            group.marker.wait = lambda work: agreement.wait(work, -1 - state.steps)
+            group.marker.wait = lambda work: waiter.wait(work, -1 - state.steps, inside=True)
 
     @property
     def ranks(self) -> Any:

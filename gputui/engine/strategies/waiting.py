@@ -27,6 +27,10 @@ STOP_GRACE_S = 1.0
 """After a stop, a wait goes on this long, or two steps' time if longer: a rank that is alive reaches
 the exchange within a step, and then every rank stops together at the next one."""
 
+INSIDE_GRACE_S = 5.0
+"""The same for a wait inside the synced backward (DDP's last bucket): an alive rank reaches it only at
+the end of its step, which one slow step (a recompile, the script's I/O) can stretch well past two."""
+
 ROLL_S = 1.0
 """How often the roll reads who has arrived."""
 
@@ -98,7 +102,8 @@ class Waiter:
         self._last_start: float | None = None
         self._period = 0.0  # between the last two exchanges: about a step
 
-    def wait(self, work: Any, seq: int) -> None:
+    def wait(self, work: Any, seq: int, inside: bool = False) -> None:
+        """Wait for `work`, exchange `seq` (or inside the synced backward: a longer grace after a stop)."""
         start = time.monotonic()
         if self._last_start is not None:
             self._period = start - self._last_start
@@ -123,7 +128,7 @@ class Waiter:
                 stop = self.stop_asked()
                 if stop is not None and stopped_at is None:
                     stopped_at = time.monotonic()
-                grace = max(STOP_GRACE_S, 2 * self._period)
+                grace = max(INSIDE_GRACE_S, 4 * self._period) if inside else max(STOP_GRACE_S, 2 * self._period)
                 gone = stopped_at is not None and (waited >= self.threshold_s or time.monotonic() - stopped_at >= grace)
                 if gone or waited >= self.timeout_s:
                     abandon(work)
