@@ -141,8 +141,16 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         run, self._run = self._run, None
         self._closed = True
-        if run is not None:
-            run.__exit__(*exc)  # an error that ends the block is the run's error too
+        if run is None:
+            return
+        if exc[0] is None:  # the loop ended: under torchrun a closing exchange says a failure after its last step
+            try:
+                self._core.strategy.end(self._core.state.epochs_done)
+            except BaseException as error:
+                if not run.__exit__(type(error), error, error.__traceback__):
+                    raise
+                return
+        run.__exit__(*exc)  # an error that ends the block is the run's error too
 
     def close(self) -> None:
         """End this trainer's part of the run (the process's run ends with the script)."""

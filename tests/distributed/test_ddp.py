@@ -343,6 +343,24 @@ for name in sys.argv[3:]:
                     raise torch.OutOfMemoryError("out of memory (optimizer state)")
                 return super().step(closure)
         run(name, mine, max_steps=2, optimizer=Failing)
+    elif name == "trainer-opt-oom-last":  # the script's own loop: rank 1's optimizer.step() fails in its last step
+        class Failing(torch.optim.SGD):
+            calls = 0
+            def step(self, closure=None):
+                Failing.calls += 1
+                if rank == 1 and Failing.calls == 2:
+                    raise torch.OutOfMemoryError("out of memory (optimizer state)")
+                return super().step(closure)
+        hubs.install(hubs.Hub())
+        model, record = make_model(), {}
+        try:
+            with gputui.Trainer(model, Failing(model.parameters(), lr=0.1), step) as trainer:
+                for b in mine[:2]:
+                    record["steps"] = trainer.step(b).steps
+        except gputui.FitError as exc:
+            record["error"] = str(exc)
+        with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
+            json.dump(record, f)
     elif name == "data-error":  # rank 1's data breaks after its first batch
         def broken():
             yield mine[0]
@@ -554,7 +572,7 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     rebuild its buckets in: fit has done it already), its optimizer.step() runs out of memory (in
     step 1, or in the last step, said at the closing exchange), or its data breaks: both ranks
     raise FitError at the same step, each saying why, and nothing hangs."""
-    scenarios = ("oom-None", "oom-1", "step-error", "opt-oom-1", "opt-oom-last", "data-error")
+    scenarios = ("oom-None", "oom-1", "step-error", "opt-oom-1", "opt-oom-last", "trainer-opt-oom-last", "data-error")
     out = launch(tmp_path, "own-group", *scenarios, env={"BUDGET": "584B"})
     for name in scenarios:
         both = records(out, name)
@@ -568,8 +586,13 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     assert [e[3] for e in records(out, "oom-None")[1]["ooms"]] == [2, 1, None], "halved alone twice, then gave up"
     assert "ValueError on rank 1, step 2: bad batch" in records(out, "step-error")[1]["error"]
     assert records(out, "step-error")[0]["steps"] == 1
-    for name, steps, said in (("opt-oom-1", 1, "at step 2"), ("opt-oom-last", 2, "after step 2")):
+    for name, steps, said in (
+        ("opt-oom-1", 1, "at step 2"),
+        ("opt-oom-last", 2, "after step 2"),
+        ("trainer-opt-oom-last", 2, "after step 2"),  # the script's own loop: its closing exchange says it
+    ):
         both = records(out, name)
+        assert [r.get("steps") for r in both] == [steps] * 2, both
         assert both[1]["error"].startswith(f"out of memory inside optimizer.step() on rank 1 at step {steps}")
         assert both[0]["error"].startswith(f"rank 1 stopped {said} (out of memory)"), both[0]["error"]
     error = records(out, "data-error")[1]["error"]
