@@ -26,6 +26,7 @@ from ..recovery import MAX_RETRIES
 from ..result import Agreed, Failure, FitError
 from .group import abandon, is_transport, lost_ranks
 from .rank import HasNext, Rank
+from .wrapper import UNUSED
 
 ROWS_S = 1.0
 """Under quiet steps, the ranks' rows (memory, loss, speed) travel about this often: an exchange every
@@ -173,8 +174,6 @@ class Ddp(Rank):
         if m is None:
             return (*d.agree_valid(), None)
         if not m.sent:  # the bucket of a parameter that got no gradient never went out
-            from .wrapper import UNUSED
-
             raise FitError(f"rank {d.rank}: {UNUSED}")
         if not m.heard:
             return 0, 0, [], None
@@ -234,8 +233,6 @@ class Ddp(Rank):
                 return self.recovery.caught(exc, at.phase, size)
             message = str(cudnn_error(exc) or exc)
             if d.ours and "find_unused_parameters" in message:  # DDP's advice names a constructor fit called
-                from .wrapper import UNUSED
-
                 message = f"{UNUSED} [{message.splitlines()[0]}]"
             if not isinstance(exc, FitError):
                 message = f"{type(exc).__name__} on rank {d.rank}, step {state.steps + 1}: {message}"
