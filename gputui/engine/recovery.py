@@ -121,10 +121,16 @@ class Recovery:
                     "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
                     f"helps with the batch spread over several GPUs) ({oom.message})"
                 )
-            new, why = state.sizing.halved(oom.micro_batch), "halved"
+            half = state.sizing.halved(oom.micro_batch)
+            new, why = half, "halved"
             picked = self.planning.after_oom(oom, batch) if batch is not None else None
             if picked is not None:
                 new, why = picked
+                if retries > 1 and new > half:
+                    # A pick that ran out again: predictions are off by more than the planner's margin
+                    # (on a GPU: fragmentation and segment rounding under a tight cap), and each further
+                    # pick would step down by that margin alone. Halving bounds a step to log2 OOMs.
+                    new, why = half, f"halved (a second OOM in this step; the planner said {picked[0]})"
             state.ooms_recovered += 1
             state.micro_batch = new
             session.emit(

@@ -85,6 +85,26 @@ def test_recovery_picks_a_micro_batch_that_fits_in_one_retry_where_halving_takes
     assert_same_weights(model, ref)
 
 
+def test_a_second_oom_in_a_step_halves_however_low_the_planner_predicts(monkeypatch):
+    """Predictions low by a fifth (on a GPU under a tight cap: fragmentation and segment rounding the trace
+    cannot see): each pick that runs out teaches a correction that moves the next pick by the planner's
+    margin alone, and 16 OOMs on one batch ended the run. After the step's second OOM, recovery halves."""
+    from gputui.plan import predictions
+
+    model, opt = warmed()
+    data = batches(2)
+    peaks = {m: tracked(model, opt, data[0], m) for m in (16, 8)}
+    budget = int((peaks[16] + peaks[8]) / 2 / planning.FIT_AT_TRACKED)
+    honest = predictions.Predictions.peak
+    monkeypatch.setattr(predictions.Predictions, "peak", lambda self, p: int(honest(self, p) * 0.8))
+    result = gputui.fit(model, data, step, opt, memory_budget=budget)
+    recovered = [e for e in result.events if e.name == "oom_recovered"]
+    assert recovered[0]["reason"].startswith("predicted peak")  # the first OOM: the planner's pick
+    for e in recovered[1:]:
+        assert e["micro_batch_to"] == e["micro_batch"] // 2 and e["reason"].startswith("halved (a second OOM"), e
+    assert result.steps == 2 and len(recovered) <= 4
+
+
 def test_recovery_halves_when_the_step_cannot_be_traced():
     """A shape that depends on the data (a boolean mask) cannot be made on fake tensors: recovery halves."""
 
