@@ -70,6 +70,8 @@ class Predictions:
         self._blocks = rounding(device)
         self._params: tuple[int, int] | None = None  # the parameters' bytes, the trainable ones'
         self._state = (-1, 0)  # the optimizer's state: (entries, bytes) when last counted
+        if device.type == "cuda":  # until a step is measured: what a trace cannot see is already held
+            self.correction = outside(model, optimizer, device)
 
     def state_dict(self, cache: bool = False) -> dict[str, Any]:
         """What this run learnt of its step, as plain data (a checkpoint loads it with weights_only): the
@@ -236,6 +238,18 @@ class Predictions:
         except Later:
             raise Later(lo) from None
         return lo
+
+
+def outside(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """What CUDA's allocator holds beyond the training state (parameters, their gradients, the optimizer's
+    state): the cuBLAS workspaces (one per thread that has run a matmul, 32 MiB each on an H200), tensors
+    the script keeps (an EMA copy, a second model), DDP's buckets. A trace sees none of it; it is the
+    correction until a measured step's replaces it."""
+    params = list(model.parameters())
+    state = params + [p.grad for p in params if p.grad is not None] + state_tensors(optimizer)
+    blocks = rounding(device)
+    held = sum(map(blocks, storage_bytes(_local(t) for t in state if t.device.type == "cuda").values()))
+    return max(0, torch.cuda.memory_allocated(device) - held)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
