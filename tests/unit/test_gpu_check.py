@@ -120,3 +120,20 @@ def test_run_py_keeps_the_gpu_check_section_and_record_fills_it(gpu_check, tmp_p
     text = results.read_text()
     assert "**Not run yet**" not in text and "- **env**: ok (9 s of 60 s): all present" in text
     assert "NVIDIA H100 80GB HBM3" in text and text.endswith("\n## After\n\nkept\n")
+
+
+def test_the_planner_verdict_takes_the_error_against_the_step_less_what_was_held_outside_the_trace(gpu_check, tmp_path):
+    """On an H200 each step's max_memory_allocated held 65 MiB the trace cannot see (two cuBLAS workspaces):
+    against the raw peak a 12 MiB step read -84 %; against the step less that, +0.5 %."""
+    from gpu_verdicts import bench
+
+    MiB = 1 << 20
+    row = {"peak": 12 * MiB, "allocated": 77 * MiB, "outside": 65 * MiB}
+    results = {
+        "results": {"planner": {"result": {"cuda": [{"model": "demos/mlp.py small (width 128)", "rows": [row]}]}}}
+    }
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(json.dumps(results))
+    passed, figures, line = bench(str(tmp_path), str(tmp_path), "")
+    assert passed and figures["planner"] == {"worst_error_pct": {"demos/mlp.py small": 0.0}}
+    assert "worst per model: demos/mlp.py small +0.0%" in line, line
