@@ -109,8 +109,8 @@ class Recovery:
             if oom.micro_batch <= 1:
                 session.emit("oom", **details, recovered=False)
                 raise FitError(
-                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits. Try AMP "
-                    f"(bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
+                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits.{self._holes()} Try "
+                    f"AMP (bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
                 )
             if oom.micro_batch <= state.sizing.floor:
                 session.emit("oom", **details, recovered=False)
@@ -159,6 +159,20 @@ class Recovery:
         apply()
         session.wait_while_paused(apply, self.boundary.stopping)
         return not self.boundary.stopping()
+
+    def _holes(self) -> str:
+        """What a run that ran out at the smallest micro-batch is told when freed blocks inside partly used
+        segments (CUDA's inactive splits) are a fifth of what it reserves: there, fragmentation ran out, not the
+        step (seen on an H200 under a cap: 121 MiB of holes beside 141 MiB allocated, and no 16 MiB block)."""
+        memory = self.session.probe.read()
+        holes, reserved = memory.fragmented, memory.reserved
+        if not holes or not reserved or holes < reserved / 5:
+            return ""
+        return (
+            f" {format_bytes(holes)} of the {format_bytes(reserved)} reserved is free but split between live "
+            "blocks (fragmentation): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the process "
+            "starts, lets the allocator grow its segments in place instead."
+        )
 
     def watch_thrashing(self, retries: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step

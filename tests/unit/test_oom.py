@@ -138,6 +138,24 @@ def test_floor_at_micro_batch_one_ends_the_run_with_a_clear_error(hub):
     assert names == ["oom_recovered"] * 3 + ["oom", "error", "part_ended"]  # 8 -> 4 -> 2 -> 1, then the floor
 
 
+def test_at_micro_batch_one_fragmentation_is_named_when_holes_are_a_fifth_of_what_is_reserved(monkeypatch):
+    """On an H200 under a cap a step ran out at one sample with 121 MiB free in split segments: the error
+    says so, and what lets the allocator do without (expandable segments); without holes it does not."""
+    from gputui.probes.cpu import CpuProbe
+    from gputui.telemetry.sample import Memory
+
+    MiB = 1 << 20
+    for holes, named in ((121 * MiB, True), (0, False)):
+        reading = Memory(device="cuda:0", allocated=141 * MiB, reserved=262 * MiB, fragmented=holes)
+        monkeypatch.setattr(CpuProbe, "read", lambda self, reading=reading: reading)
+        model = ConvNet()
+        with pytest.raises(gputui.FitError, match="micro-batch 1: not even one sample fits") as info:
+            gputui.fit(model, conv_batches(1, 8), FailOn(range(1, 100)), sgd(model))
+        said = "121 MiB of the 262 MiB reserved is free but split between live blocks (fragmentation)"
+        assert (said in str(info.value)) is named, str(info.value)
+        assert ("expandable_segments:True" in str(info.value).split("(CUDA")[0]) is named
+
+
 def test_oom_in_optimizer_step_stops_cleanly():
     model = ConvNet()
 
