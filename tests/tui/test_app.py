@@ -185,6 +185,14 @@ async def test_oom_dialog_when_auto_recover_is_off(make_app, hub):
         assert [e for e in hub.events() if e.name == "micro_batch_changed"][0]["to"] == 32
 
 
+def test_the_oom_dialog_asked_to_update_before_it_is_mounted_waits_for_its_rows():
+    """The app pushes the dialog, and the next pull may come before Textual composed it: update() raised
+    NoMatches there (once in a run of screenshots/take.py); its rows are drawn at compose."""
+    from gputui.tui.view import RunView
+
+    OomScreen(RunView(), {}).update()
+
+
 async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
     app = make_app()
     async with app.run_test(size=(100, 30)) as pilot:

@@ -86,8 +86,10 @@ class OomScreen(ModalScreen[str | None]):
                     )
 
     def update(self) -> None:
-        """Called by the app after each pull while this dialog is on top: the planner's rows as they come."""
-        self.query_one("#oom-plan", Static).update(oom_predictions(self.view, self.why_not.get("plan")))
+        """Called by the app after each pull while this dialog is on top: the planner's rows as they come
+        (none before it is mounted: a pull between push_screen and compose found no rows to fill)."""
+        if self.is_mounted:
+            self.query_one("#oom-plan", Static).update(oom_predictions(self.view, self.why_not.get("plan")))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id)
