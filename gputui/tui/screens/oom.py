@@ -86,10 +86,11 @@ class OomScreen(ModalScreen[str | None]):
                     )
 
     def update(self) -> None:
-        """Called by the app after each pull while this dialog is on top: the planner's rows as they come
-        (none before it is mounted: a pull between push_screen and compose found no rows to fill)."""
-        if self.is_mounted:
-            self.query_one("#oom-plan", Static).update(oom_predictions(self.view, self.why_not.get("plan")))
+        """Called by the app after each pull while this dialog is on top: the planner's rows as they come.
+        Before compose and while the dialog is taken apart (the script ended under it) there are no rows to
+        fill: a query_one there raised NoMatches and took the app down."""
+        for plan in self.query("#oom-plan").results(Static):
+            plan.update(oom_predictions(self.view, self.why_not.get("plan")))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id)
