@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from gputui.launch import run_script  # noqa: E402
 from gputui.telemetry import hub as hubs  # noqa: E402
+from gputui.tui import planned  # noqa: E402
 from gputui.tui.app import GputuiApp  # noqa: E402
 from gputui.tui.sources import LocalSource  # noqa: E402
 
@@ -86,7 +87,7 @@ async def planner_scene(app, pilot, hub) -> None:
     await wait(pilot, steps(app, 20))
     asked = app.view.plans
     await pilot.press("w")
-    await wait(pilot, lambda: app.view.plans > asked and app.view.plan.get("complete") and app.view.plan_fresh)
+    await wait(pilot, lambda: app.view.plans > asked and app.view.plan.get("complete") and planned.fresh(app.view))
 
 
 async def help_scene(app, pilot, hub) -> None:
