@@ -90,7 +90,7 @@ class Predictions:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.correction = int(state.get("correction") or 0)
+        self.correction = int(state.get("correction") or self.correction)  # none measured: what is held (CUDA)
         self.measured = state.get("measured")
         breakdown = state.get("breakdown")
         self._breakdown = dict(breakdown) if breakdown is not None else None

@@ -105,6 +105,32 @@ def test_a_second_oom_in_a_step_halves_however_low_the_planner_predicts(monkeypa
     assert result.steps == 2 and len(recovered) <= 4
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_before_a_measured_step_the_correction_on_cuda_is_what_the_allocator_holds_beyond_the_state(
+    monkeypatch, device
+):
+    """On the H200, micro_batch="auto" picked before any step, blind to the 64 MiB of cuBLAS workspaces and to
+    what the script keeps (an EMA copy): on CUDA the correction starts as memory_allocated() less the training
+    state on the device (none of this CPU model's); a CPU budget counts the state alone, and starts at 0."""
+    from gputui.plan.predictions import Predictions
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 123 << 20)
+    model = Wide()
+    predictions = Predictions(
+        model,
+        torch.optim.SGD(model.parameters()),
+        step,
+        torch.device(device),
+        tracked=device == "cpu",
+        fit_at=planning.FIT_AT,
+        checkpoint_modules=None,
+        blocks=0,
+        floor=1,
+        turned_off=lambda why: None,
+    )
+    assert predictions.correction == (123 << 20 if device == "cuda" else 0)
+
+
 def test_recovery_halves_when_the_step_cannot_be_traced():
     """A shape that depends on the data (a boolean mask) cannot be made on fake tensors: recovery halves."""
 
