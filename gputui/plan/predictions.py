@@ -166,8 +166,7 @@ class Predictions:
     def _bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """Their storages on the device (not an optimizer's step counts kept on the host), as blocks; of a
         sharded tensor (FSDP2's DTensor), this rank's shard."""
-        here = [_local(t) for t in tensors if t.device.type == self.device.type]
-        return sum(map(self._blocks, storage_bytes(here).values()))
+        return _on_device(tensors, self.device, self._blocks)
 
     def untraceable(self, setting: Setting) -> str | None:
         """Why `setting`'s step cannot be traced, if it cannot."""
@@ -247,9 +246,13 @@ def outside(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.de
     correction until a measured step's replaces it."""
     params = list(model.parameters())
     state = params + [p.grad for p in params if p.grad is not None] + state_tensors(optimizer)
-    blocks = rounding(device)
-    held = sum(map(blocks, storage_bytes(_local(t) for t in state if t.device.type == "cuda").values()))
-    return max(0, torch.cuda.memory_allocated(device) - held)
+    return max(0, torch.cuda.memory_allocated(device) - _on_device(state, device, rounding(device)))
+
+
+def _on_device(tensors: Iterable[torch.Tensor], device: torch.device, blocks: Callable[[int], int]) -> int:
+    """Their storages on `device`'s kind, each once, as its allocator counts them (`blocks`)."""
+    here = [_local(t) for t in tensors if t.device.type == device.type]
+    return sum(map(blocks, storage_bytes(here).values()))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
