@@ -111,3 +111,17 @@ def format_figure(value: float | None, unit: str, spec: str = "") -> str:
     """A reading with its unit ("61°C", "598 W" with spec ".0f"), or "n/a" where it is unknown
     (NVML would not say, a probe does not read it)."""
     return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def format_pieces(
+    micro_batch: int, accumulation: int, total: int, times: str = "x", plus: str = "+", equals: str = "="
+) -> str:
+    """A global batch as its micro-batches add up: "8x2=16", or with an uneven last piece "39+9=48" and
+    "11x5+9=64" (written "39x2=48" it read as a product that does not add up)."""
+    last = total - micro_batch * (accumulation - 1)
+    if accumulation <= 1:
+        return f"{total}{times}1{equals}{total}"  # one piece: the whole batch, whatever the setting
+    if last == micro_batch:
+        return f"{micro_batch}{times}{accumulation}{equals}{total}"
+    head = f"{micro_batch}{times}{accumulation - 1}" if accumulation > 2 else str(micro_batch)
+    return f"{head}{plus}{last}{equals}{total}"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
-from ..units import format_bytes, format_count
+from ..units import format_bytes, format_count, format_pieces
 from .describe import describe
 from .hub import Hub, SinkFailed
 from .run import RunInfo, RunSummary
@@ -25,7 +25,7 @@ def render(sample: StepSample, info: RunInfo | None) -> str:
     step = f"step {sample.step}" + (f"/{total}" if total else "")
     epoch = f"epoch {sample.epoch + 1}" + (f"/{epochs}" if epochs else "")
     loss = "loss n/a" if sample.loss is None else f"loss {sample.loss:.4g}"
-    batch = f"batch {sample.micro_batch}x{sample.accumulation}={sample.batch_size}"
+    batch = f"batch {format_pieces(sample.micro_batch, sample.accumulation, sample.batch_size)}"
     m = sample.memory
     label = "CPU" if m.device == "cpu" else m.device
     memory = f"{label} {format_bytes(m.allocated)}"

@@ -1,6 +1,14 @@
 import pytest
 
-from gputui.units import format_bytes, format_bytes_short, format_count, format_duration, format_figure, parse_size
+from gputui.units import (
+    format_bytes,
+    format_bytes_short,
+    format_count,
+    format_duration,
+    format_figure,
+    format_pieces,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -103,3 +111,17 @@ def test_a_chart_axis_label_fits_its_gutter_and_keeps_its_magnitude(v):
     text = axis_number(v)
     assert len(text) <= 7
     assert float(text) == pytest.approx(v, rel=0.5)  # cut to "9.03e-0" it would read 9.03
+
+
+@pytest.mark.parametrize(
+    "pieces, text",
+    [
+        ((8, 2, 16), "8x2=16"),
+        ((39, 2, 48), "39+9=48"),  # the screenshot said "39 × 2 = 48"
+        ((11, 6, 64), "11x5+9=64"),
+        ((32, 1, 20), "20x1=20"),  # an epoch's short last batch: one piece of what there is
+        ((47, 1, 48), "48x1=48"),  # a rest below the floor joined the piece before it
+    ],
+)
+def test_a_batch_is_written_as_its_pieces_add_up(pieces, text):
+    assert format_pieces(*pieces) == text

@@ -8,7 +8,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from ...telemetry.describe import number
-from ...units import format_bytes, format_bytes_short
+from ...units import format_bytes, format_bytes_short, format_pieces
 from ..keys import BY_ACTION, KEYS, Key, shown
 from ..planned import predicted
 from ..view import RunView
@@ -70,7 +70,11 @@ class RemediesBar(RunPanel):
         else:
             mb, batch = "micro-batch" if long else "mb", f"{shown(HALVE)}/{shown(DOUBLE)}"
             entries = [
-                key(HALVE, f"{mb} {s.micro_batch} × {s.accumulation} = {s.batch_size}", keys=batch)
+                key(
+                    HALVE,
+                    f"{mb} {format_pieces(s.micro_batch, s.accumulation, s.batch_size, ' × ', ' + ', ' = ')}",
+                    keys=batch,
+                )
                 if s
                 else key(HALVE, f"{mb} –", "", keys=batch),
                 *self.predictions((HALVE, DOUBLE), long),
