@@ -114,14 +114,16 @@ def format_figure(value: float | None, unit: str, spec: str = "") -> str:
 
 
 def format_pieces(
-    micro_batch: int, accumulation: int, total: int, times: str = "x", plus: str = "+", equals: str = "="
+    micro_batch: int, accumulation: int, total: int, times: str = "x", plus: str = "+", equals: str | None = "="
 ) -> str:
     """A global batch as its micro-batches add up: "8x2=16", or with an uneven last piece "39+9=48" and
-    "11x5+9=64" (written "39x2=48" it read as a product that does not add up)."""
+    "11x5+9=64" (written "39x2=48" it read as a product that does not add up); `equals` None: no total."""
     last = total - micro_batch * (accumulation - 1)
     if accumulation <= 1:
-        return f"{total}{times}1{equals}{total}"  # one piece: the whole batch, whatever the setting
-    if last == micro_batch:
-        return f"{micro_batch}{times}{accumulation}{equals}{total}"
-    head = f"{micro_batch}{times}{accumulation - 1}" if accumulation > 2 else str(micro_batch)
-    return f"{head}{plus}{last}{equals}{total}"
+        pieces = f"{total}{times}1"  # one piece: the whole batch, whatever the setting
+    elif last == micro_batch:
+        pieces = f"{micro_batch}{times}{accumulation}"
+    else:
+        head = f"{micro_batch}{times}{accumulation - 1}" if accumulation > 2 else str(micro_batch)
+        pieces = f"{head}{plus}{last}"
+    return pieces if equals is None else f"{pieces}{equals}{total}"

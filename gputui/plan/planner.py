@@ -177,6 +177,7 @@ class Planner:
                         predicted=prediction.bytes_for(self.tracked),
                         fits=predictions.fits(prediction, capacity),
                         accumulation=self.sizing.accumulation(total, row.setting.micro_batch),
+                        total=total,
                     )
                 )
                 if row.remedy == "best" and row.setting == now:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..step.sizing import Sizing
 from ..telemetry.controls import AMP_MODES
+from ..units import format_pieces
 from .prediction import Prediction
 
 
@@ -63,13 +64,13 @@ class Remedies:
 
 
 def option(
-    row: Row, prediction: Prediction, *, peak: int, predicted: int, fits: bool | None, accumulation: int
+    row: Row, prediction: Prediction, *, peak: int, predicted: int, fits: bool | None, accumulation: int, total: int
 ) -> dict[str, Any]:
     """A row as the `plan` event carries it: `peak` corrected by what the run measured, `predicted` as traced."""
     s = row.setting
     return {
         "remedy": row.remedy,
-        "label": label(row.remedy, s, accumulation),
+        "label": label(row.remedy, s, accumulation, total),
         "micro_batch": s.micro_batch,
         "accumulation": accumulation,
         "amp": s.amp,
@@ -85,8 +86,8 @@ def option(
     }
 
 
-def label(remedy: str, s: Setting, accumulation: int) -> str:
-    settings = f"{s.micro_batch}x{accumulation}"
+def label(remedy: str, s: Setting, accumulation: int, total: int) -> str:
+    settings = format_pieces(s.micro_batch, accumulation, total, equals=None)
     if remedy in ("halve", "double"):
         return f"micro-batch {settings}"
     if remedy == "amp":

@@ -125,3 +125,4 @@ def test_a_chart_axis_label_fits_its_gutter_and_keeps_its_magnitude(v):
 )
 def test_a_batch_is_written_as_its_pieces_add_up(pieces, text):
     assert format_pieces(*pieces) == text
+    assert format_pieces(*pieces, equals=None) == text.split("=")[0]  # a plan row's label: no total
