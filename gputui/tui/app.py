@@ -212,7 +212,11 @@ class GputuiApp(App[int]):
             self.show()
 
     def show(self) -> None:
-        """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs)."""
+        """The view changed: the panels redraw what changed, and what follows from it (keys, dialogs).
+        Not while the app closes: under run_test Textual takes the screens apart while the app still handles
+        messages (the script ending), and a screen's query_one found no widget there (NoMatches)."""
+        if not self.is_running:
+            return
         with self.batch_update():
             self.main.update()
             if isinstance(self.screen, (Overlay, ConfirmQuit, OomScreen)):

@@ -199,6 +199,8 @@ class WatchApp(App[int]):
             self._first.stop()
 
     def pull(self) -> None:
+        if not self.is_running:  # closing: under run_test the timers tick while the widgets are taken apart
+            return
         reading = self.poller.latest()
         if reading is not None and reading is not self.reading:
             self.reading = reading

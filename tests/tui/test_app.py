@@ -6,6 +6,7 @@ from conftest import text, until
 from textual.command import CommandList, CommandPalette
 from textual.widgets import Input, RichLog
 
+from gputui.tui.app import ScriptEnded
 from gputui.tui.screens import ConfirmQuit, FailureScreen, LogScreen, OomScreen, TopTensorsScreen
 
 
@@ -191,6 +192,26 @@ def test_the_oom_dialog_asked_to_update_before_it_is_mounted_waits_for_its_rows(
     from gputui.tui.view import RunView
 
     OomScreen(RunView(), {}).update()
+
+
+@pytest.mark.parametrize("key", ["l", "m", "w", "q", "oom"])
+async def test_the_script_ending_while_the_app_shuts_down_draws_nothing(make_app, hub, key):
+    """Under run_test (the tests, screenshots/take.py) Textual's shutdown takes the screens apart while the
+    app still handles its messages: the script ending then asked the screen on top to update, and the log,
+    memory, planner and quit screens' query_one raised NoMatches (is_mounted stays true), as the OOM
+    dialog's did. A closing app draws nothing."""
+    oom = key == "oom"
+    app = make_app(batch=64, extra="auto_recover=False, memory_budget='40KiB'") if oom else make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        if oom:
+            await until(pilot, lambda: isinstance(app.screen, OomScreen))
+        else:
+            await started(pilot, app, hub)
+            await pilot.press(key)
+            await pilot.pause(0.2)
+        app._running = False  # what App._shutdown does first, then it removes each screen's widgets
+        await app.screen.remove_children()
+        app.on_script_ended(ScriptEnded(1, "gputui: boom"))
 
 
 async def test_top_tensors_screen_lists_the_parameters(make_app, hub):

@@ -227,3 +227,15 @@ def test_run_screen_polls_while_the_app_runs(monkeypatch):
     assert watch.run_screen(10.0, io.StringIO()) == 0
     assert watch.run_screen(0.5, io.StringIO()) == 0
     assert seen == [(0.25, True, 10.0), (2.0, True, 0.5)]
+
+
+async def test_a_reading_while_the_app_shuts_down_draws_nothing():
+    """Under run_test Textual's shutdown takes the screens apart while the app still handles its timers: a
+    new reading there made show() query widgets that were gone (NoMatches), as the run app's screens did."""
+    app = make()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        app._running = False  # what App._shutdown does first, then it removes each screen's widgets
+        await app.screen.remove_children()
+        app.poller.reading = NO_DRIVER
+        app.pull()
