@@ -130,7 +130,7 @@ class Recovery:
                     # A pick that ran out again: predictions are off by more than the planner's margin
                     # (on a GPU: fragmentation and segment rounding under a tight cap), and each further
                     # pick would step down by that margin alone. Halving bounds a step to log2 OOMs.
-                    new, why = half, f"halved (a second OOM in this step; the planner said {picked[0]})"
+                    new, why = half, f"halved after a second OOM in this step; the planner said {picked[0]}"
             state.ooms_recovered += 1
             state.micro_batch = new
             session.emit(
