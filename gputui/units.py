@@ -113,11 +113,11 @@ def format_figure(value: float | None, unit: str, spec: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def format_pieces(
-    micro_batch: int, accumulation: int, total: int, times: str = "x", plus: str = "+", equals: str | None = "="
-) -> str:
+def format_pieces(micro_batch: int, accumulation: int, total: int, *, spaced: bool = False, sums: bool = True) -> str:
     """A global batch as its micro-batches add up: "8x2=16", or with an uneven last piece "39+9=48" and
-    "11x5+9=64" (written "39x2=48" it read as a product that does not add up); `equals` None: no total."""
+    "11x5+9=64" (written "39x2=48" it read as a product that does not add up). `spaced`: the TUI's
+    "39 + 9 = 48"; `sums` False: without the total (a plan row's label)."""
+    times, plus, equals = (" × ", " + ", " = ") if spaced else ("x", "+", "=")
     last = total - micro_batch * (accumulation - 1)
     if accumulation <= 1:
         pieces = f"{total}{times}1"  # one piece: the whole batch, whatever the setting
@@ -126,4 +126,4 @@ def format_pieces(
     else:
         head = f"{micro_batch}{times}{accumulation - 1}" if accumulation > 2 else str(micro_batch)
         pieces = f"{head}{plus}{last}"
-    return pieces if equals is None else f"{pieces}{equals}{total}"
+    return f"{pieces}{equals}{total}" if sums else pieces

@@ -87,7 +87,7 @@ def option(
 
 
 def label(remedy: str, s: Setting, accumulation: int, total: int) -> str:
-    settings = format_pieces(s.micro_batch, accumulation, total, equals=None)
+    settings = format_pieces(s.micro_batch, accumulation, total, sums=False)
     if remedy in ("halve", "double"):
         return f"micro-batch {settings}"
     if remedy == "amp":

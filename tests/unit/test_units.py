@@ -125,4 +125,9 @@ def test_a_chart_axis_label_fits_its_gutter_and_keeps_its_magnitude(v):
 )
 def test_a_batch_is_written_as_its_pieces_add_up(pieces, text):
     assert format_pieces(*pieces) == text
-    assert format_pieces(*pieces, equals=None) == text.split("=")[0]  # a plan row's label: no total
+    assert format_pieces(*pieces, sums=False) == text.split("=")[0]  # a plan row's label: no total
+
+
+def test_the_remedies_line_spaces_the_pieces():
+    assert format_pieces(39, 2, 48, spaced=True) == "39 + 9 = 48"
+    assert format_pieces(8, 2, 16, spaced=True) == "8 × 2 = 16"

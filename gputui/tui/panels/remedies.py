@@ -72,7 +72,7 @@ class RemediesBar(RunPanel):
             entries = [
                 key(
                     HALVE,
-                    f"{mb} {format_pieces(s.micro_batch, s.accumulation, s.batch_size, ' × ', ' + ', ' = ')}",
+                    f"{mb} {format_pieces(s.micro_batch, s.accumulation, s.batch_size, spaced=True)}",
                     keys=batch,
                 )
                 if s
