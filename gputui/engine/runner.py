@@ -40,6 +40,16 @@ def count(items: Callable[[Any], Any], batch: Any) -> int:
     return int(value)
 
 
+def _accumulator(param: torch.Tensor) -> Any:
+    """The node autograd accumulates `param`'s gradient with (the one every graph through it shares),
+    or None for a tensor subclass that will not say: holding it is a saving, never a need."""
+    try:
+        node = param.view_as(param).grad_fn
+        return node.next_functions[0][0] if node is not None and node.next_functions else None
+    except Exception:
+        return None
+
+
 class Runner:
     def __init__(
         self,
@@ -65,9 +75,22 @@ class Runner:
         self.losses = DeferredLoss.for_device(device)
         self.loss: torch.Tensor | None = None  # the last step's, detached: read by whoever wants it (a sync)
         self.grad_norm: torch.Tensor | None = None
+        self._accumulators: list[Any] = []  # see hold_accumulators()
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
         self._said_fused = False  # the fp16 scaler's wait for the GPU: said once a run
+
+    # -- the run ----------------------------------------------------------------------------
+    def hold_accumulators(self) -> None:
+        """Keep every trainable parameter's AccumulateGrad node for the run. A step's graph is freed
+        right after its backward (what a custom Function keeps on its ctx goes before the optimizer
+        allocates); its accumulators went with it, and a 1.4 ms CPU step was then ~8 us slower in its
+        optimizer step (measured against a plain loop, whose graph lives until the next forward). Held
+        here (as long as the runner holds the model), the free costs that step nothing more. DDP's
+        reducer holds them itself."""
+        with torch.enable_grad():
+            held = [_accumulator(p) for p in self.model.parameters() if p.requires_grad]
+        self._accumulators = [a for a in held if a is not None]
 
     # -- a try at a global batch ------------------------------------------------------------
     def start(self, batch: Any, size: int) -> None:

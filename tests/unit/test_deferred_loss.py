@@ -1,6 +1,7 @@
 """The loss read without waiting for the device (engine/deferred.py), driven on the CPU by copies that
 arrive late, as a GPU's would: samples carry the newest loss that arrived, fit returns the last one exactly."""
 
+import gc
 import math
 import weakref
 
@@ -133,3 +134,25 @@ def test_the_loss_read_does_not_keep_the_steps_graph_alive_through_the_optimizer
     batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3)]
     gputui.fit(model, batches, lambda m, b: F.mse_loss(Keep.apply(m(b[0])), b[1]), Watching(model.parameters(), 0.1))
     assert alive == [0, 0, 0]
+
+
+def test_each_parameters_gradient_accumulator_outlives_the_freed_graph_until_fit_returns(hub):
+    """The graph goes after backward, but the node each parameter's gradient is accumulated by stays for
+    the run (the optimizer step after the free was slower without it), and goes when fit returns."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    found = []
+
+    def step(m, batch):
+        weight = m[0].weight
+        node = weight.view_as(weight).grad_fn.next_functions[0][0]
+        found.append(node.metadata.get("marked", False))
+        node.metadata["marked"] = True  # a node made again for this step would not have it
+        return F.mse_loss(m(batch[0]), batch[1])
+
+    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3)]
+    gputui.fit(model, batches, step, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert found == [False, True, True]
+    gone = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert gone() is None  # nothing of the run holds the parameters once fit has returned

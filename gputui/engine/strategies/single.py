@@ -39,6 +39,7 @@ class Single:
         reason = self.recovery.no_budget_left()
         if reason:
             raise FitError(reason)
+        self.runner.hold_accumulators()
 
     def batches(self, data: Iterable[Any], last: Callable[[], bool]) -> Iterator[tuple[Any, None]]:
         """Each batch as its step comes (no read ahead; one process asks no one whether there is more)."""
