@@ -37,6 +37,18 @@ REPEATED_SIGNAL_S = 2.0
 second signal this soon after the first is that one, not a request to stop at once."""
 
 
+_HANDLERS = {
+    "halve_batch": "_resize",
+    "double_batch": "_resize",
+    "set_amp": "_set_amp",
+    "set_checkpointing": "_set_checkpointing",
+    "set_auto_recover": "_set_auto_recover",
+    "stop": "_request_stop",
+}
+"""The method that applies each control, by name: a boundary holding its own bound methods is a cycle,
+and the run's optimizer and model (their memory on the device) outlived fit() until a collection."""
+
+
 class Boundary:
     def __init__(
         self,
@@ -52,15 +64,6 @@ class Boundary:
         self.precision, self.checkpointing, self.planning = precision, checkpointing, planning
         self.agreement = agreement  # under torchrun: what the last exchange said of the job
         self.signal: str | None = None  # SIGINT's or SIGTERM's reason, set by the handler
-        self._handlers: dict[str, Callable[[Control], bool]] = {
-            "halve_batch": self._resize,
-            "double_batch": self._resize,
-            "set_amp": self._set_amp,
-            "set_checkpointing": self._set_checkpointing,
-            "set_auto_recover": self._set_auto_recover,
-            "plan": planning.asked,
-            "stop": self._request_stop,
-        }
 
     def passed(self, batch: Any) -> bool:
         """One process's boundary: apply every queued control; while paused, wait here (a plan asked
@@ -113,7 +116,10 @@ class Boundary:
         applied = self.session.apply(control)
         if applied is not None:
             return applied
-        return self._handlers[control.action](control)
+        if control.action == "plan":
+            return self.planning.asked(control)
+        handler: Callable[[Control], bool] = getattr(self, _HANDLERS[control.action])
+        return handler(control)
 
     def _resize(self, control: Control) -> bool:
         state, agreement, sizing = self.state, self.agreement, self.state.sizing

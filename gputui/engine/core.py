@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..probes.cpu import hidden_from_dynamo
 from ..step.checkpointing import Checkpointing
 from ..step.microbatch import batch_size
 from ..step.precision import Precision
@@ -129,7 +130,7 @@ class Core:
             self._metrics.close()
             raise
         if session.tracker is not None:
-            checkpointing.on_inputs = session.tracker.note_saved
+            checkpointing.on_inputs = hidden_from_dynamo(session.tracker.note_saved)
         if o.checkpointing is not None:
             checkpointing.set(o.checkpointing)
         self.session, self.precision, self.checkpointing, self.generators = (

@@ -12,6 +12,7 @@ workspaces the trace cannot see) is added to every prediction as `correction`.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -40,6 +41,20 @@ OOM_S = 2.0
 batch shape seen before costs no trace)."""
 RECALIBRATE = 0.01
 """A correction that moved by more than this share of the measured peak since the last table sends it again."""
+
+
+def _weakly(method: Callable[[str], None]) -> Callable[[str], None]:
+    """`method`, called through a weak reference to its object: the predictions call the planner back, and
+    holding it strongly made a cycle that kept the model and the optimizer (their memory on the device)
+    alive after fit() returned, until a collection."""
+    ref = weakref.WeakMethod(method)
+
+    def call(reason: str) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(reason)
+
+    return call
 
 
 class Planner:
@@ -75,7 +90,7 @@ class Planner:
             checkpoint_modules=checkpoint_modules,
             blocks=blocks,
             floor=sizing.floor,
-            turned_off=self._turned_off,
+            turned_off=_weakly(self._turned_off),
         )
         self.remedies = Remedies(sizing, amp_unsupported, checkpointing_unavailable)
         self.sizing, self.tracked = sizing, tracked

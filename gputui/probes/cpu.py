@@ -94,10 +94,6 @@ class StateTracker:
         self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
         self._started = 0.0
         self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
-        self._pack = hidden_from_dynamo(self.pack)
-        self._unpack = hidden_from_dynamo(unpack)
-        # A hook too (a checkpointed block's forward calls it), so hidden like pack.
-        self.note_saved: Callable[[Iterable[object]], None] = hidden_from_dynamo(self._note_saved)
         on_grad = hidden_from_dynamo(self._on_grad)
         # Only a budget needs to see each gradient appear (to raise inside backward where it is
         # crossed); without one, counting them once after backward gives the same peak without a
@@ -144,8 +140,9 @@ class StateTracker:
         # never reaches backward (an attempt cut short by an OOM) would never be freed.
         return t.detach()
 
-    def _note_saved(self, tensors: Iterable[object]) -> None:
-        """Count tensors kept alive outside autograd's saved tensors (checkpointed block inputs)."""
+    def note_saved(self, tensors: Iterable[object]) -> None:
+        """Count tensors kept alive outside autograd's saved tensors (checkpointed block inputs). A hook
+        too (a checkpointed block's forward calls it): whoever hands it on hides it from dynamo, as pack."""
         if not self.counting:
             return
         for t in tensors:
@@ -172,7 +169,9 @@ class StateTracker:
         """Around forward: counts each tensor autograd saves for backward (if this step counts)."""
         if not self.counting:
             return _NOT_COUNTING
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Hidden here, not once in __init__: a tracker holding a wrapper of its own bound method is a
+        # cycle, and the optimizer it holds (its state on the device) outlived fit() until a collection.
+        return torch.autograd.graph.saved_tensors_hooks(hidden_from_dynamo(self.pack), hidden_from_dynamo(unpack))
 
     def end_micro_batch(self) -> None:
         """After backward: its gradients are all there (counted now unless hooks saw each arrive, the

@@ -5,6 +5,7 @@ import gc
 import math
 import weakref
 
+import pytest
 import torch
 from helpers import ConvNet, conv_batches, conv_step
 from torch.nn import functional as F
@@ -156,3 +157,27 @@ def test_each_parameters_gradient_accumulator_outlives_the_freed_graph_until_fit
     del model
     gc.collect()
     assert gone() is None  # nothing of the run holds the parameters once fit has returned
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"memory_budget": "1GiB"}, {"micro_batch": 4}, {"micro_batch": "auto", "memory_budget": "1GiB"}],
+    ids=["plain", "budget", "micro-batched", "planned"],
+)
+def test_fit_leaves_the_model_and_optimizer_to_reference_counting(hub, settings):
+    """Once fit returns, the model and optimizer the script drops go at once, their memory with them (on a
+    GPU, the optimizer's state): no cycle of the run's parts holds them until a collection finds it."""
+    gc.collect()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    gputui.fit(model, batches, lambda m, b: F.mse_loss(m(b[0]), b[1]), optimizer, **settings)
+    del model, optimizer
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        held = [type(o).__name__ for o in gc.garbage if isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert held == []
