@@ -134,7 +134,12 @@ class Recovery:
             state.ooms_recovered += 1
             state.micro_batch = new
             session.emit(
-                "oom_recovered", **details, micro_batch_to=new, accumulation=state.accumulation_at(new), reason=why
+                "oom_recovered",
+                **details,
+                micro_batch_to=new,
+                accumulation=state.accumulation_at(new),
+                batch_size=state.batch_size,
+                reason=why,
             )
             return True
         # Auto-recover off: wait at this boundary for the user. A remedy or resume retries the batch.

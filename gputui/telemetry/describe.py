@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..units import format_bytes
+from ..units import format_bytes, format_pieces
 from .events import EVENTS
 from .sample import Event
 
@@ -132,7 +132,7 @@ _TEXT: dict[str, Callable[[Event], str]] = {
     ),
     "oom_recovered": lambda e: (
         f"OOM in {e['phase']} at micro-batch {e['micro_batch']}: "
-        f"retried with {e['micro_batch_to']} x {e['accumulation']}"
+        f"retried as {format_pieces(e['micro_batch_to'], e['accumulation'], e['batch_size'])}"
         + (f" ({e['reason']})" if e.get("reason") not in (None, "halved") else "")
     ),
     "oom": _oom,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 EVENTS: dict[str, tuple[str, ...]] = {
-    "oom_recovered": ("phase", "micro_batch", "micro_batch_to", "accumulation"),
+    "oom_recovered": ("phase", "micro_batch", "micro_batch_to", "accumulation", "batch_size"),
     "rank_oom_recovered": ("rank", "ooms", "micro_batch"),
     "rank_waiting": ("ranks", "at", "waited_s"),  # at: the step it waits in
     "oom": ("phase", "recovered"),

@@ -161,7 +161,14 @@ def test_event_lines_of_the_timeline():
         Event(
             "oom_recovered",
             4,
-            {"phase": "backward", "micro_batch": 4, "micro_batch_to": 2, "accumulation": 4, "message": "..."},
+            {
+                "phase": "backward",
+                "micro_batch": 4,
+                "micro_batch_to": 2,
+                "accumulation": 4,
+                "batch_size": 8,
+                "message": "...",
+            },
         ),
     ]
     v.apply(update(events=events, info=v.info))

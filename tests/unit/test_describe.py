@@ -8,7 +8,7 @@ from gputui.telemetry.sample import Event
 
 ROW = {"count": 2, "shape": [64, 32], "dtype": "float32", "bytes": 16384, "role": "parameter"}
 EXAMPLES = {
-    "oom_recovered": {"phase": "backward", "micro_batch": 8, "micro_batch_to": 4, "accumulation": 2},
+    "oom_recovered": {"phase": "backward", "micro_batch": 8, "micro_batch_to": 4, "accumulation": 2, "batch_size": 8},
     "oom": {"phase": "forward", "micro_batch": 1, "recovered": False},
     "rank_oom_recovered": {"rank": 1, "ooms": 1, "micro_batch": 4},
     "rank_waiting": {"ranks": [1], "at": 4, "waited_s": 61},
@@ -94,10 +94,10 @@ def test_a_plan_and_a_planned_recovery_say_what_was_chosen():
     )
     picked = {**EXAMPLES["oom_recovered"], "micro_batch_to": 6, "reason": "predicted peak 7.00 GiB of 8.00 GiB at 6"}
     assert describe(Event("oom_recovered", 3, picked)).endswith(
-        "retried with 6 x 2 (predicted peak 7.00 GiB of 8.00 GiB at 6)"
+        "retried as 6+2=8 (predicted peak 7.00 GiB of 8.00 GiB at 6)"  # an uneven cut as its pieces add up
     )
     halved = {**EXAMPLES["oom_recovered"], "reason": "halved"}
-    assert describe(Event("oom_recovered", 3, halved)).endswith("retried with 4 x 2")
+    assert describe(Event("oom_recovered", 3, halved)).endswith("retried as 4x2=8")
 
 
 def test_an_own_loop_oom_diagnosis_is_described():
