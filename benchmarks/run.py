@@ -189,7 +189,9 @@ def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str)
         if "error" in r:
             lines += ["**Failed:**", "", "```", r["error"], "```", ""]
         else:
-            lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s)_", ""]
+            made = r.get("made", {})
+            kept = f"; kept from commit {made['commit']}, {made['date']}" if made.get("commit") != m["commit"] else ""
+            lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s{kept})_", ""]
     return "\n".join(lines)
 
 
@@ -204,6 +206,18 @@ def write(out: str, results: dict[str, Any], m: dict[str, Any], quick: bool) -> 
     with open(path, "w") as f:
         f.write(text)
     return head
+
+
+def kept(out: str, running: list[str]) -> dict[str, Any]:
+    """The results in `out` of the benchmarks not run now (`--only`), each with the commit and date it was
+    made at: a rerun of some replaces theirs and keeps the rest, said as kept."""
+    try:
+        with open(os.path.join(out, "results.json")) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    made = {k: previous.get("machine", {}).get(k) for k in ("commit", "date")}
+    return {name: {"made": made, **r} for name, r in previous.get("results", {}).items() if name not in running}
 
 
 def main() -> int:
@@ -221,11 +235,14 @@ def main() -> int:
     out = args.out or (tempfile.mkdtemp(prefix="gputui-bench-quick-") if args.quick else harness.HERE)
     os.makedirs(out, exist_ok=True)
     m = machine(device)
-    results: dict[str, Any] = {}
+    results = kept(out, names) if args.only and not args.quick else {}
     with tempfile.TemporaryDirectory(prefix="gputui-bench-") as tmp:
         for name in names:
             print(f"== {name}", file=sys.stderr, flush=True)
-            results[name] = run_one(name, args.quick, device, tmp)
+            results[name] = {
+                **run_one(name, args.quick, device, tmp),
+                "made": {"commit": m["commit"], "date": m["date"]},
+            }
             if "error" in results[name]:
                 print(f"   failed: {results[name]['error'][-500:]}", file=sys.stderr)
             head = write(out, results, m, args.quick)  # after each: a run cut short keeps what it got

@@ -137,3 +137,19 @@ def test_the_planner_verdict_takes_the_error_against_the_step_less_what_was_held
     passed, figures, line = bench(str(tmp_path), str(tmp_path), "")
     assert passed and figures["planner"] == {"worst_error_pct": {"demos/mlp.py small": 0.0}}
     assert "worst per model: demos/mlp.py small +0.0%" in line, line
+
+
+def test_a_rerun_of_some_benchmarks_keeps_the_others_and_says_from_which_commit(monkeypatch, tmp_path):
+    """`run.py --only overhead` replaced RESULTS.md with the overhead section alone: the other sections'
+    figures are kept, each saying the commit and date it was made at."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import run
+
+    previous = {
+        "machine": {"commit": "abc1234", "date": "2026-11-27 14:34 UTC"},
+        "results": {"overhead": {"result": {}, "elapsed_s": 1.0}, "latency": {"result": {"x": 1}, "elapsed_s": 6.0}},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(previous))
+    kept = run.kept(str(tmp_path), ["overhead"])
+    assert kept == {"latency": {"made": previous["machine"], "result": {"x": 1}, "elapsed_s": 6.0}}
+    assert run.kept(str(tmp_path / "none"), ["overhead"]) == {}  # a first run keeps nothing
