@@ -6,6 +6,7 @@ import pytest
 import torch
 
 ALONE = "GPUTUI_TEST_ALONE"  # set to a test's node id in the process that runs it alone
+ALONE_S = 300  # a test alone that hangs fails after this, rather than holding the device call
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,7 +26,13 @@ def pytest_pyfunc_call(pyfuncitem):
         return None
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", pyfuncitem.nodeid]
     env = {**os.environ, ALONE: pyfuncitem.nodeid}
-    done = subprocess.run(argv, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(
+            argv, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=ALONE_S
+        )
+    except subprocess.TimeoutExpired as hung:
+        out = hung.stdout.decode(errors="replace") if isinstance(hung.stdout, bytes) else hung.stdout or ""
+        pytest.fail(f"alone, still running after {ALONE_S} s:\n{out[-4000:]}", pytrace=False)
     if done.returncode != 0:
         pytest.fail(f"alone, exit code {done.returncode}:\n{done.stdout[-6000:]}{done.stderr[-2000:]}", pytrace=False)
     return True
