@@ -38,6 +38,13 @@ class FakeCopy:
         if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
             raise Untraceable("sharded parameters (FSDP): each rank's step cannot be traced alone")
         self.mode = private.fake_tensor_mode()
+        try:
+            self._copy(model, optimizer, batch)
+        except BaseException:
+            private.forget_reals(self.mode)  # as _traced() does once a trace ends
+            raise
+
+    def _copy(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
         self.fake_type = private.fake_tensor_type()
         self.fakes: dict[int, torch.Tensor] = {}
         self._kept: list[torch.Tensor] = []  # the real tensors faked: alive while the copy is, so no id is reused

@@ -75,6 +75,16 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def forget_reals(mode: Any) -> None:
+    """Drop the fake mode's weak references to the real tensors and storages it converted. The mode is
+    cyclic garbage once its trace ends: with the collector off during training and on again after (a
+    script's gc.disable() ... gc.enable()), it stayed, its weak references on the batch's storages with it,
+    and freeing the batch then crashed the process (SIGSEGV in PyObject_ClearWeakRefs; torch 2.13, CPU)."""
+    describer = mode.fake_tensor_converter.meta_converter.describer
+    describer.lookup_tensor.clear()
+    describer.lookup_storage.clear()
+
+
 def fake_tensor_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensor
 

@@ -98,7 +98,11 @@ def _traced(
 ) -> tuple[int, int, str, dict[str, int], str | None]:
     """The trace, made and run here so that nothing of it outlives this call: the Guard then finds
     alive only what the script kept."""
-    return _Trace(FakeCopy(model, optimizer, batch, watch), step, device, sizing).run(*settings)
+    copied = FakeCopy(model, optimizer, batch, watch)
+    try:
+        return _Trace(copied, step, device, sizing).run(*settings)
+    finally:
+        private.forget_reals(copied.mode)
 
 
 def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
