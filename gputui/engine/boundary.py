@@ -43,6 +43,7 @@ _HANDLERS = {
     "set_amp": "_set_amp",
     "set_checkpointing": "_set_checkpointing",
     "set_auto_recover": "_set_auto_recover",
+    "plan": "_plan",
     "stop": "_request_stop",
 }
 """The method that applies each control, by name: a boundary holding its own bound methods is a cycle,
@@ -116,10 +117,11 @@ class Boundary:
         applied = self.session.apply(control)
         if applied is not None:
             return applied
-        if control.action == "plan":
-            return self.planning.asked(control)
         handler: Callable[[Control], bool] = getattr(self, _HANDLERS[control.action])
         return handler(control)
+
+    def _plan(self, control: Control) -> bool:
+        return self.planning.asked(control)
 
     def _resize(self, control: Control) -> bool:
         state, agreement, sizing = self.state, self.agreement, self.state.sizing

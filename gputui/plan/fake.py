@@ -19,7 +19,8 @@ from .prediction import Untraceable, line
 
 
 class FakeCopy:
-    """A run's model, optimizer and batch, faked once; `watch` is told each fake made."""
+    """A run's model, optimizer and batch, faked once in `mode` (a fake tensor mode); `watch` is told each
+    fake made."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class FakeCopy:
         optimizer: torch.optim.Optimizer,
         batch: Any,
         watch: Callable[[torch.Tensor], None],
+        mode: Any,
     ) -> None:
         self.exact_reason: str | None = None  # why a trace of this copy is approximate, if it is
         self.watch = watch  # each fake made: the Guard looks for those the script kept
@@ -37,14 +39,7 @@ class FakeCopy:
             self.exact_reason = "compiled model traced eagerly"
         if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
             raise Untraceable("sharded parameters (FSDP): each rank's step cannot be traced alone")
-        self.mode = private.fake_tensor_mode()
-        try:
-            self._copy(model, optimizer, batch)
-        except BaseException:
-            private.forget_reals(self.mode)  # as _traced() does once a trace ends
-            raise
-
-    def _copy(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
+        self.mode = mode
         self.fake_type = private.fake_tensor_type()
         self.fakes: dict[int, torch.Tensor] = {}
         self._kept: list[torch.Tensor] = []  # the real tensors faked: alive while the copy is, so no id is reused

@@ -98,11 +98,11 @@ def _traced(
 ) -> tuple[int, int, str, dict[str, int], str | None]:
     """The trace, made and run here so that nothing of it outlives this call: the Guard then finds
     alive only what the script kept."""
-    copied = FakeCopy(model, optimizer, batch, watch)
+    mode = private.fake_tensor_mode()
     try:
-        return _Trace(copied, step, device, sizing).run(*settings)
+        return _Trace(FakeCopy(model, optimizer, batch, watch, mode), step, device, sizing).run(*settings)
     finally:
-        private.forget_reals(copied.mode)
+        private.forget_reals(mode)  # also after a copy that failed half-made
 
 
 def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
