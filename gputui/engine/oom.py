@@ -101,20 +101,20 @@ class _HostGenerator:
     Saving one costs 8-70 us (Python's state is 625 ints, NumPy's get_state() ~30 us) and most
     steps never draw from them (data pipelines do, between steps), so a step saves it lazily: a
     trap saves the state on the step's first draw, exactly as it was before it, and disarms
-    itself. It stays armed from step to step while nothing draws (arming costs a microsecond); a
-    draw between steps only disarms it, and the next start() arms it again. A draw the trap
-    cannot see (through a function bound before it: `from random import random`) is caught by
-    comparing the whole state around the first steps and every CHECK_EVERY-th, at most one a
-    CHECK_S (a check reads the state twice, ~30 us for NumPy's): from then on every step saves it at
-    its start.
+    itself. It stays armed from step to step while nothing draws, and then a step pays nothing
+    for it (Generators.start() and end() touch no host); a draw between steps only disarms it, and
+    the next start() arms it again. A draw the trap cannot see (through a function bound before it:
+    `from random import random`) is caught by comparing the whole state around the first steps and
+    every CHECK_EVERY-th, at most one a CHECK_S (a check reads the state twice, ~30 us for NumPy's):
+    from then on every step saves it at its start.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Generators) -> None:
+        self.owner = owner
         self.every_step = False
         self.armed = False
-        self.saved: Any = None  # the state before this step's first draw (or at its start)
-        # Set by Generators.start()/end() directly (no call a step for a generator nothing draws from):
-        self.stepping = False
+        self.saved: Any = None  # the state before the first draw of step `saved_at` (or at its start)
+        self.saved_at = 0
         self.fired = False  # the trap fired since the last checked start
         self.at_start: Any = None  # the state at the start of a checked step
 
@@ -144,29 +144,28 @@ class _HostGenerator:
             self.armed = False
 
     def fire(self) -> None:
-        """The trap saw a draw: the first of the step saves the state."""
+        """The trap saw a draw."""
         if self.armed:
             self.disarm()
-            if self.stepping:
-                self.fired = True
-                if self.saved is None:
-                    self.saved = self.get()
+            self.owner.drawn(self)
 
-    def restore(self) -> None:
-        """Before a replay: the state the step started with (nothing drawn yet: the trap is still armed)."""
-        if self.saved is not None:
-            self.set(self.saved)
+    def save(self, step: int, state: Any = None) -> None:
+        self.saved, self.saved_at = (self.get() if state is None else state), step
+
+    def step_start(self, step: int) -> Any:
+        """The state step `step` started with, if it was saved (None: nothing drew from it yet)."""
+        return self.saved if self.saved_at == step else None
 
 
 class _PythonRandom(_HostGenerator):
-    """Python's global generator, `random._inst`: every draw (randint, choice, shuffle, gauss...)
-    goes through its random() or getrandbits(), so while armed its class is a subclass whose two
-    methods fire the trap. The module's `random` and `getrandbits` were bound to the C methods
-    at import, past the class: they are rebound while armed. gauss() may return the value it
-    kept from its last call without drawing: gauss_next is kept from the step's start."""
+    """Python's global generator, `random._inst`: every draw (randint, choice, shuffle...) goes
+    through its random() or getrandbits(), so while armed its class is a subclass whose methods fire
+    the trap. gauss() may return the value it kept from its last call without drawing: it fires the
+    trap too (the state saved holds that value). The module's `random`, `getrandbits` and `gauss`
+    were bound to the instance at import, past the class: they are rebound while armed."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, owner: Generators) -> None:
+        super().__init__(owner)
         self.inst = inst = random._inst
         self.plain = plain = type(inst)
         trap = self
@@ -180,11 +179,14 @@ class _PythonRandom(_HostGenerator):
                 trap.fire()
                 return plain.getrandbits(self, k)
 
+            def gauss(self, mu: float = 0.0, sigma: float = 1.0) -> float:
+                trap.fire()
+                return plain.gauss(self, mu, sigma)
+
         self.armed_class = Armed
-        names = [n for n in ("random", "getrandbits") if getattr(random, n, None) == getattr(inst, n)]
+        names = [n for n in ("random", "getrandbits", "gauss") if getattr(random, n, None) == getattr(inst, n)]
         self._bound = {n: getattr(random, n) for n in names}
         self._traps = {n: types.MethodType(getattr(Armed, n), inst) for n in names}
-        self.gauss_next: float | None = None  # kept by Generators.start()
 
     def get(self) -> Any:
         return self.inst.getstate()
@@ -202,18 +204,14 @@ class _PythonRandom(_HostGenerator):
             if random.__dict__.get(name) is trap:  # unless the script rebound it meanwhile
                 setattr(random, name, self._bound[name])
 
-    def restore(self) -> None:
-        super().restore()
-        self.inst.gauss_next = self.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in typeshed
-
 
 class _NumpyRandom(_HostGenerator):
     """NumPy's legacy global generator (np.random.seed, np.random.rand...). Its methods are
     compiled, so the trap is on the module: while armed, numpy.random's class is a subclass whose
     attribute lookup fires the trap when a function of the global generator is looked up."""
 
-    def __init__(self, module: types.ModuleType) -> None:
-        super().__init__()
+    def __init__(self, owner: Generators, module: types.ModuleType) -> None:
+        super().__init__(owner)
         self.module = module
         self.rand = rand = module.mtrand._rand
         names = frozenset({n for n, v in vars(module).items() if getattr(v, "__self__", None) is rand} | {"seed"})
@@ -248,7 +246,9 @@ class _NumpyRandom(_HostGenerator):
 class Generators:
     """The generators a step may draw from, as they were at its start, put back before a replay:
     torch's (CPU and the device) saved at every start, Python's `random` and NumPy's global one
-    on the step's first draw from them (_HostGenerator)."""
+    on the step's first draw from them (_HostGenerator). A step that draws from neither (most) pays
+    for them a flag set and cleared: a step's cost is mostly the objects it touches, cold after the
+    model's own work (a microsecond or so each on a CPU step of 1.5 ms)."""
 
     CHECK_EVERY = 50
     CHECK_S = 1.0
@@ -257,18 +257,22 @@ class Generators:
         self.device = device
         self._kind = device.type  # read once: a torch.device's .type costs half a microsecond a read
         self._cuda: torch.Generator | None = None  # the device's own, found at the first start
-        self.python = _PythonRandom()
+        self.python = _PythonRandom(self)
         self.numpy: _NumpyRandom | None = None  # once numpy.random is imported
         self._hosts: tuple[_HostGenerator, ...] = (self.python,)
+        self._every: tuple[_HostGenerator, ...] = ()  # the hosts saved at every start (a draw the trap missed)
         self._starts = 0
         self._checked = 0.0  # when the last checked step started
+        self._checking = False  # the step under way compares the hosts' states around it
+        self._disarmed = True  # a host to arm at the next start (a draw disarmed it, or none is armed yet)
+        self.stepping = False
         self._torch: Any = None
         self._accel: Any = None
 
     def start(self) -> None:
         """Save torch's generators (the generator objects themselves: torch.get_rng_state() and
         torch.cuda.get_rng_state() add Python frames and device lookups to every step)."""
-        self._starts += 1
+        self._starts = starts = self._starts + 1
         self._torch = torch.default_generator.get_state()
         if self._kind == "cuda":
             if self._cuda is None:
@@ -279,21 +283,31 @@ class Generators:
         elif self._kind == "mps":
             self._accel = torch.mps.get_rng_state()
         if self.numpy is None and "numpy.random" in sys.modules:
-            self.numpy = _NumpyRandom(sys.modules["numpy.random"])
+            self.numpy = _NumpyRandom(self, sys.modules["numpy.random"])
             self._hosts = (self.python, self.numpy)
-        starts = self._starts
-        check = starts <= 3 or (starts % self.CHECK_EVERY == 0 and monotonic() - self._checked >= self.CHECK_S)
-        if check:
-            self._checked = monotonic()
-        for host in self._hosts:  # written out: most steps, a few attribute reads and no call
-            host.stepping = True
-            if host.every_step or check:
+            self._disarmed = True
+        self.stepping = True
+        for host in self._every:
+            host.save(starts)
+        if self._disarmed:
+            self._disarmed = False
+            for host in self._hosts:
+                if not host.every_step:
+                    host.arm()
+        if starts <= 3 or (starts % self.CHECK_EVERY == 0 and monotonic() - self._checked >= self.CHECK_S):
+            self._checked, self._checking = monotonic(), True
+            for host in self._hosts:
                 host.fired = False
-                host.saved = host.at_start = host.get()
-            if not host.armed and not host.every_step:  # a draw between steps disarmed it
-                host.arm()
-        python = self.python  # gauss() may return the value it kept without drawing: kept at every start
-        python.gauss_next = python.inst.gauss_next  # type: ignore[attr-defined]  # as in restore()
+                host.at_start = host.get()
+                host.save(starts, host.at_start)
+
+    def drawn(self, host: _HostGenerator) -> None:
+        """`host`'s trap fired (and disarmed it): within a step, its first draw saves the state."""
+        self._disarmed = True
+        if self.stepping:
+            host.fired = True
+            if host.saved_at != self._starts:
+                host.save(self._starts)
 
     def restore(self) -> None:
         torch.default_generator.set_state(self._torch)
@@ -302,24 +316,32 @@ class Generators:
         elif self._kind == "mps":
             torch.mps.set_rng_state(self._accel)
         for host in self._hosts:
-            host.restore()
+            state = host.step_start(self._starts)
+            if state is not None:
+                host.set(state)
 
     def end(self) -> None:
-        """The step is over (trained, stopped or failed). A checked step whose state changed with no
-        draw the trap saw: a draw it cannot see, so from now on every step saves the state at its start."""
+        """The step is over (trained, stopped or failed)."""
+        self.stepping = False
+        if self._checking:
+            self._check_end()
+
+    def _check_end(self) -> None:
+        """A checked step whose state changed with no draw the trap saw: a draw it cannot see, so
+        from now on every step saves the state at its start."""
+        self._checking = False
         for host in self._hosts:
-            host.stepping = False
-            if host.at_start is not None:
-                if not host.every_step and not host.fired and not host.same(host.at_start, host.get()):
-                    host.every_step = True
-                    host.disarm()
-                host.at_start = None
-            host.saved = None
+            if not host.every_step and not host.fired and not host.same(host.at_start, host.get()):
+                host.every_step = True
+                host.disarm()
+                self._every = (*self._every, host)
+            host.at_start = None
 
     def close(self) -> None:
         """fit() returns: the generators and modules as the script left them."""
         for host in self._hosts:
             host.disarm()
+        self._disarmed = True
 
 
 class Buffers:

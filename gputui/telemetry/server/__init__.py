@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..hub import Hub
@@ -41,6 +42,9 @@ class TelemetryServer:
         self.path = path or socket_path()
         # A step as its record (the one append a step: no tuple to make), anything else as (kind, item).
         self._queue: deque[StepRecord | tuple[str, Any]] = deque(maxlen=100_000)
+        # A step's record goes straight into the queue (a client gets its row; no sample is made for
+        # it): the hub calls the deque's own append, no Python frame on the training thread.
+        self.on_record: Callable[[StepRecord], None] = self._queue.append
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: Listener | None = None
@@ -57,9 +61,6 @@ class TelemetryServer:
 
     def on_sample(self, sample: StepSample) -> None:
         self.on_record(StepRecord.of(sample))
-
-    def on_record(self, record: StepRecord) -> None:
-        self._queue.append(record)  # a client gets its row; no sample is made for it
 
     def on_event(self, event: Event) -> None:
         self._queue.append(("event", event))
