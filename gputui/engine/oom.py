@@ -158,11 +158,12 @@ class _HostGenerator:
 
 
 class _PythonRandom(_HostGenerator):
-    """Python's global generator, `random._inst`: every draw (randint, choice, shuffle...) goes
-    through its random() or getrandbits(), so while armed its class is a subclass whose methods fire
-    the trap. gauss() may return the value it kept from its last call without drawing: it fires the
-    trap too (the state saved holds that value). The module's `random`, `getrandbits` and `gauss`
-    were bound to the instance at import, past the class: they are rebound while armed."""
+    """Python's global generator, `random._inst`: every draw (randint, choice, shuffle, gauss...) goes
+    through its random() or getrandbits(), so while armed its class is a subclass whose two methods
+    fire the trap. The module's `random` and `getrandbits` were bound to the C methods at import,
+    past the class: they are rebound while armed. gauss() may return the value it kept from its last
+    call without drawing, through a function the trap may not see (`from random import gauss`):
+    Generators keeps `gauss_next` from each step's start."""
 
     def __init__(self, owner: Generators) -> None:
         super().__init__(owner)
@@ -179,12 +180,8 @@ class _PythonRandom(_HostGenerator):
                 trap.fire()
                 return plain.getrandbits(self, k)
 
-            def gauss(self, mu: float = 0.0, sigma: float = 1.0) -> float:
-                trap.fire()
-                return plain.gauss(self, mu, sigma)
-
         self.armed_class = Armed
-        names = [n for n in ("random", "getrandbits", "gauss") if getattr(random, n, None) == getattr(inst, n)]
+        names = [n for n in ("random", "getrandbits") if getattr(random, n, None) == getattr(inst, n)]
         self._bound = {n: getattr(random, n) for n in names}
         self._traps = {n: types.MethodType(getattr(Armed, n), inst) for n in names}
 
@@ -247,8 +244,9 @@ class Generators:
     """The generators a step may draw from, as they were at its start, put back before a replay:
     torch's (CPU and the device) saved at every start, Python's `random` and NumPy's global one
     on the step's first draw from them (_HostGenerator). A step that draws from neither (most) pays
-    for them a flag set and cleared: a step's cost is mostly the objects it touches, cold after the
-    model's own work (a microsecond or so each on a CPU step of 1.5 ms)."""
+    for them a flag set and cleared and gauss()'s kept value copied: a step's cost is mostly the
+    objects it touches, cold after the model's own work (a microsecond or so each on a CPU step of
+    1.5 ms)."""
 
     CHECK_EVERY = 50
     CHECK_S = 1.0
@@ -268,6 +266,7 @@ class Generators:
         self.stepping = False
         self._torch: Any = None
         self._accel: Any = None
+        self._gauss_next: float | None = None
 
     def start(self) -> None:
         """Save torch's generators (the generator objects themselves: torch.get_rng_state() and
@@ -287,6 +286,7 @@ class Generators:
             self._hosts = (self.python, self.numpy)
             self._disarmed = True
         self.stepping = True
+        self._gauss_next = self.python.inst.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__
         for host in self._every:
             host.save(starts)
         if self._disarmed:
@@ -319,6 +319,7 @@ class Generators:
             state = host.step_start(self._starts)
             if state is not None:
                 host.set(state)
+        self.python.inst.gauss_next = self._gauss_next  # type: ignore[attr-defined]  # not in typeshed
 
     def end(self) -> None:
         """The step is over (trained, stopped or failed)."""
