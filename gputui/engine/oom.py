@@ -302,9 +302,12 @@ class Generators:
                 host.save(starts, host.at_start)
 
     def drawn(self, host: _HostGenerator) -> None:
-        """`host`'s trap fired (and disarmed it): within a step, its first draw saves the state."""
+        """`host`'s trap fired (and disarmed it): within a step, its first draw saves the state. In a
+        checked step, a state already moved since the start is a draw that went past the trap first."""
         self._disarmed = True
         if self.stepping:
+            if self._checking and not host.fired and not host.every_step and not host.same(host.at_start, host.get()):
+                self._missed(host)
             host.fired = True
             if host.saved_at != self._starts:
                 host.save(self._starts)
@@ -333,10 +336,14 @@ class Generators:
         self._checking = False
         for host in self._hosts:
             if not host.every_step and not host.fired and not host.same(host.at_start, host.get()):
-                host.every_step = True
-                host.disarm()
-                self._every = (*self._every, host)
+                self._missed(host)
             host.at_start = None
+
+    def _missed(self, host: _HostGenerator) -> None:
+        """`host` is drawn from past its trap: from now on it is saved at every start."""
+        host.every_step = True
+        host.disarm()
+        self._every = (*self._every, host)
 
     def close(self) -> None:
         """fit() returns: the generators and modules as the script left them."""

@@ -311,6 +311,27 @@ def test_host_generators_are_saved_only_by_steps_that_draw_from_them():
     assert type(np.random) is type(np)
 
 
+def test_a_draw_past_the_trap_before_a_trapped_one_is_found_and_replayed():
+    """`from random import random` draws past the trap; a trapped draw after it in the same step saves a
+    state already moved. A checked step finds that (the state at the trapped draw differs from its
+    start), and from then on every step saves at its start, so a later replay draws the same."""
+    random.seed(2)
+    gen = Generators(torch.device("cpu"))
+    gen.start()
+    held_random(), random.random()  # step 1 (checked): past the trap, then through it
+    gen.end()
+    assert gen.python.every_step
+    for _ in range(3):
+        gen.start()
+        gen.end()
+    gen.start()  # step 5: not checked
+    first = (held_random(), random.random())
+    gen.restore()
+    assert (held_random(), random.random()) == first
+    gen.end()
+    gen.close()
+
+
 held_gauss = random.gauss  # bound before any fit, as `from random import gauss` is
 
 
