@@ -73,6 +73,7 @@ def option(
         "label": label(row.remedy, s, accumulation, total),
         "micro_batch": s.micro_batch,
         "accumulation": accumulation,
+        "batch_size": total,
         "amp": s.amp,
         "checkpointing": s.checkpointing,
         "peak": peak,

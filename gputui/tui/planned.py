@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..telemetry.describe import plan_rows
+from ..units import format_pieces
 from .keys import BY_KEY
 from .view import RunView
 
@@ -14,6 +15,18 @@ from .view import RunView
 def options(v: RunView) -> list[Mapping[str, Any]]:
     """The latest plan's rows (empty before any; a malformed one skipped)."""
     return plan_rows(v.plan) if v.plan else []
+
+
+def pieces(o: Mapping[str, Any], *, compact: bool = False) -> str:
+    """A row's micro-batches as they add up ("5 × 6 + 2", not "5 × 7": the last piece of an uneven cut is
+    smaller; `compact`: a remedy chip's "5×6+2"); "m × accumulation" from a plan of a gputui that did not
+    send its batch."""
+    m, n, total = o.get("micro_batch"), o.get("accumulation"), o.get("batch_size")
+    if isinstance(m, int) and isinstance(n, int) and isinstance(total, int):
+        text = format_pieces(m, n, total, spaced=True, sums=False)
+    else:
+        text = f"{m if m is not None else '?'} × {n if n is not None else '?'}"
+    return text.replace(" ", "") if compact else text
 
 
 def option(v: RunView, remedy: str) -> Mapping[str, Any] | None:

@@ -6,15 +6,16 @@ from dataclasses import replace
 
 import pytest
 from conftest import text, until
-from fakes import T0, FrozenClock, GiB, cuda_run, cuda_sample, plan_event
+from fakes import T0, FrozenClock, GiB, cuda_run, cuda_sample, plan_event, plan_option
 from test_layout import assert_whole, shown
 from textual.widgets import Static
 
 from gputui.telemetry.sample import Event
 from gputui.tui.app import GputuiApp
-from gputui.tui.planned import fresh, predicted
+from gputui.tui.planned import fresh, pieces, predicted
 from gputui.tui.remote import WATCH_ONLY
 from gputui.tui.screens import OomScreen, PlannerScreen
+from gputui.tui.screens.planner import plan_cells
 from gputui.tui.view import RunView
 
 
@@ -193,6 +194,15 @@ def test_predicted_follows_the_settings_in_force():
     assert predicted(v, "a")["amp"] == "fp16" and predicted(v, "c")["checkpointing"]
     v._sample(replace(cuda_sample(301), amp="fp16"))
     assert not fresh(v) and predicted(v, "a") is None
+
+
+def test_an_uneven_cut_is_shown_as_its_pieces_add_up():
+    """64 in micro-batches of 9 is seven pieces, the last of 1: "9 × 7" would read as 63, "9 × 8" as 72."""
+    row = plan_option("best", "9x7+1", 9, "bf16", False, int(12 * GiB), 20 * GiB, accumulation=8)
+    assert plan_cells(row, 20 * GiB, stale=False)[2].plain == "9 × 7 + 1"
+    assert pieces(row, compact=True) == "9×7+1"  # the remedies line's chip
+    older = {k: v for k, v in row.items() if k != "batch_size"}  # a plan from a gputui that did not send it
+    assert pieces(older) == "9 × 8"
 
 
 def test_a_plan_in_parts_is_one_timeline_line_and_a_new_one_another():

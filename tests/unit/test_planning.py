@@ -209,6 +209,7 @@ def test_the_plan_control_is_answered_with_every_remedy_and_the_measured_step_ag
     }
     now = rows["now", "off", False, 32]
     assert now["exact"] and now["fits"] and now["accumulation"] == 2
+    assert {o["batch_size"] for o in plan["options"]} == {64}  # the screen writes an uneven cut as its pieces
     assert rows["halve", "off", False, 16]["label"] == "micro-batch 16x4"
     assert all("key" not in o for o in plan["options"])  # a row is named by its remedy: the screen knows the keys
     # the prediction for the setting in use is what the next steps measured (the tracker's count)

@@ -10,7 +10,7 @@ from rich.text import Text
 from ...telemetry.describe import number
 from ...units import format_bytes, format_bytes_short, format_pieces
 from ..keys import BY_ACTION, KEYS, Key, shown
-from ..planned import predicted
+from ..planned import pieces, predicted
 from ..view import RunView
 from .base import RunPanel, flow
 
@@ -111,7 +111,7 @@ class RemediesBar(RunPanel):
             elif k is CHECKPOINTING:
                 setting = on_off(bool(o.get("checkpointing")))
             else:
-                setting = f"{o.get('micro_batch', '?')}×{o.get('accumulation', '?')}"
+                setting = pieces(o, compact=True)
             peak = number(o.get("peak"))
             text = Text().append(shown(k), style="bold")
             text.append(f" {setting} {'' if o.get('exact') else '~'}{'?' if peak is None else size(peak)}")

@@ -12,7 +12,7 @@ from textual.widgets import Button, Label, Static
 
 from ...telemetry.describe import number
 from ...units import format_bytes
-from ..planned import option, options
+from ..planned import option, options, pieces
 from ..view import RunView
 from .planner import PLAN_REQUEST
 
@@ -138,7 +138,7 @@ def oom_predictions(v: RunView, cannot_plan: str | None) -> Text:
     for label, o in [(label, o) for label, o in rows if o is not None]:
         text.append(" " if text.plain.endswith(":") else " · ").append(label, style="bold")
         if o.get("remedy") == "halve":
-            text.append(f" {o.get('micro_batch', '?')} × {o.get('accumulation', '?')}")
+            text.append(f" {pieces(o)}")
         text.append(f" {'' if o.get('exact') else '~'}{format_bytes(number(o.get('peak')), missing='?')}")
         if isinstance(o.get("fits"), bool):
             text.append(" ✓" if o["fits"] else " ✗", style="bold green" if o["fits"] else "bold red")

@@ -15,7 +15,7 @@ from ...telemetry.sample import Event
 from ...units import format_bytes
 from ..keys import for_remedy
 from ..messages import RequestControl
-from ..planned import fresh, option, options
+from ..planned import fresh, option, options, pieces
 from ..view import RunView
 from .base import Overlay
 
@@ -162,8 +162,7 @@ def calibration(v: RunView) -> Text:
     predicted = format_bytes(number(now.get("predicted")), missing="?")
     text.append(f"measured {format_bytes(measured)} vs predicted {predicted} as now")
     ckpt = ", checkpointing" if now.get("checkpointing") else ""
-    batch = f"{now.get('micro_batch', '?')} × {now.get('accumulation', '?')}"
-    text.append(f" (micro-batch {batch}, AMP {now.get('amp', '?')}{ckpt})")
+    text.append(f" (micro-batch {pieces(now)}, AMP {now.get('amp', '?')}{ckpt})")
     text.append(f": {sign}{format_bytes(correction)} added to each traced prediction")
     text.append(" (allocator rounding, workspaces a trace cannot see)", style="dim")
     return text
@@ -186,7 +185,7 @@ def plan_cells(o: Mapping[str, Any], capacity: float | None, *, stale: bool) -> 
     return [
         cell(for_remedy(o.get("remedy")), "bold"),
         cell(remedy),
-        cell(f"{o.get('micro_batch', '?')} × {o.get('accumulation', '?')}"),
+        cell(pieces(o)),
         cell(str(o.get("amp", "?"))),
         cell("on" if o.get("checkpointing") else "off"),
         cell(("" if exact else "~") + format_bytes(peak, missing="?"), right=True),
