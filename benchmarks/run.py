@@ -118,7 +118,9 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
             f"({step(mlp)}{threads}) at {at(mlp)}"
         )
         sizes = importlib.import_module("overhead").WORKLOADS
-        larger = [(name, oh["workloads"][name]) for name in ("mlp-2ms", "mlp-3ms") if name in oh["workloads"]]
+        larger = [
+            (name, oh["workloads"][name]) for name in ("mlp-b512", "mlp-b832", "mlp-b1024") if name in oh["workloads"]
+        ]
         for i, (name, w) in enumerate(larger):
             joint = " and" if i == len(larger) - 1 else ","
             blocks = w["alternating"]["ratio"] if "alternating" in w else None
