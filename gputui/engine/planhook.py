@@ -181,15 +181,15 @@ class PlanningHook:
         return found, f"auto: {how} peak {peak} of {format_bytes(capacity)}, the largest that fits"
 
     # -- after an OOM, after a step ---------------------------------------------------------
-    def after_oom(self, oom: OomInfo, batch: Any) -> tuple[int, str] | None:
-        """The planner's micro-batch after an OOM; None (halve) when it cannot say. Never raises: a
-        planner that fails must not turn a recoverable OOM into a crash."""
+    def after_oom(self, oom: OomInfo, batch: Any, second: bool = False) -> tuple[int, str] | None:
+        """The planner's micro-batch after an OOM (`second` in its step: half at most); None (halve) when
+        it cannot say. Never raises: a planner that fails must not turn a recoverable OOM into a crash."""
         capacity = self.capacity()
         if capacity is None:  # nothing to fit in: halve
             return None
         try:
             planner = self.get()
-            picked = planner.after_oom(self.setting(oom.micro_batch), batch, shapes(batch), capacity)
+            picked = planner.after_oom(self.setting(oom.micro_batch), batch, shapes(batch), capacity, second)
             planner.ask("oom")  # the whole table, at the next boundaries
             return picked
         except Exception as exc:  # a bug of ours or the model's code on fake tensors: halve as before

@@ -121,16 +121,10 @@ class Recovery:
                     "(bf16), activation checkpointing, a smaller model or more memory (SyncBatchNorm only "
                     f"helps with the batch spread over several GPUs) ({oom.message})"
                 )
-            half = state.sizing.halved(oom.micro_batch)
-            new, why = half, "halved"
-            picked = self.planning.after_oom(oom, batch) if batch is not None else None
+            new, why = state.sizing.halved(oom.micro_batch), "halved"
+            picked = self.planning.after_oom(oom, batch, second=retries > 1) if batch is not None else None
             if picked is not None:
                 new, why = picked
-                if retries > 1 and new > half:
-                    # A pick that ran out again: predictions are off by more than the planner's margin
-                    # (on a GPU: fragmentation and segment rounding under a tight cap), and each further
-                    # pick would step down by that margin alone. Halving bounds a step to log2 OOMs.
-                    new, why = half, f"halved after a second OOM in this step; the planner said {picked[0]}"
             state.ooms_recovered += 1
             state.micro_batch = new
             session.emit(
@@ -163,7 +157,10 @@ class Recovery:
 
         apply()
         session.wait_while_paused(apply, self.boundary.stopping)
-        return not self.boundary.stopping()
+        if self.boundary.stopping():
+            return False
+        state.ooms_recovered += 1  # the user's remedy (or retry as it was): the run goes on from this OOM
+        return True
 
     def _holes(self) -> str:
         """What a run that ran out at the smallest micro-batch is told when freed blocks inside partly used

@@ -235,17 +235,23 @@ class Planner:
         return None
 
     # -- after an OOM -----------------------------------------------------------------------
-    def after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None) -> tuple[int, str] | None:
+    def after_oom(
+        self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None, second: bool = False
+    ) -> tuple[int, str] | None:
         """The micro-batch to retry with after an OOM at `failed`, and why; None: halve as before (also
-        where the planner does not plan by itself)."""
+        where the planner does not plan by itself). `second`: the step ran out at a pick already, so
+        the predictions are off by more than the margin here (on a GPU: fragmentation and segment
+        rounding under a tight cap) and a pick above half would step down by that margin alone: half
+        at most, so that a step takes log2 OOMs at worst (below half, the pick where half will not fit)."""
         if capacity is None or not self.sizing.can_halve(failed.micro_batch) or not self.plans_itself:
             return None
+        half = self.sizing.halved(failed.micro_batch)
         self.predictions.deadline = time.monotonic() + OOM_S
         try:
-            found = self._after_oom(failed, batch, shapes, capacity)
+            found = self._after_oom(failed, batch, shapes, capacity, half, second)
             return None if self.off else found  # turned off on the way: halving, as said
         except Later as later:  # out of time: what was found to fit, if it beats halving
-            if later.fits is None or later.fits < self.sizing.halved(failed.micro_batch):
+            if later.fits is None or later.fits < half:
                 return None
             return later.fits, f"the largest predicted to fit that {OOM_S:g} s of tracing found ({later.fits})"
         except NoPrediction:
@@ -261,15 +267,17 @@ class Planner:
             self.predictions.learn(failed, batch, shapes, capacity)
         self.ask("oom")
 
-    def _after_oom(self, failed: Setting, batch: Any, shapes: Hashable, capacity: int) -> tuple[int, str] | None:
+    def _after_oom(
+        self, failed: Setting, batch: Any, shapes: Hashable, capacity: int, half: int, second: bool
+    ) -> tuple[int, str] | None:
         predictions = self.predictions
         if predictions.learn(failed, batch, shapes, capacity) is None:
             return None
         amp, ck = failed.amp, failed.checkpointing
-        # Halving's size first: if it fits, the search is above it and a search cut short still beats halving.
-        half = self.sizing.halved(failed.micro_batch)
+        # Halving's size first: if it fits, the search is above it (not after a second OOM) and a search
+        # cut short still beats halving.
         fits_half = predictions.largest(amp, ck, half, half, batch, shapes, capacity) is not None
-        lo, hi = (half, failed.micro_batch - 1) if fits_half else (self.sizing.floor, half - 1)
+        lo, hi = (half, half if second else failed.micro_batch - 1) if fits_half else (self.sizing.floor, half - 1)
         found = predictions.largest(amp, ck, lo, hi, batch, shapes, capacity) if lo <= hi else None
         if found is None:
             return None
@@ -277,4 +285,6 @@ class Planner:
         assert chosen is not None
         how = "predicted" if chosen.exact else "estimated"
         peak = format_bytes(predictions.peak(chosen))
+        if second and found == half:
+            return found, f"halved after a second OOM in this step ({how} peak {peak} of {format_bytes(capacity)})"
         return found, f"{how} peak {peak} of {format_bytes(capacity)} at {found}: the largest that fits"

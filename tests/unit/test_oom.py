@@ -181,7 +181,7 @@ def test_manual_mode_waits_for_a_remedy_then_retries(hub):
     # planning="asked": no plan for the dialog, whose trace would run the step (and count its calls) meanwhile
     result = gputui.fit(model, conv_batches(3, 8), step, sgd(model), auto_recover=False, planning="asked")
     helper.join(5)
-    assert (result.steps, result.samples, result.micro_batch) == (3, 24, 4)
+    assert (result.steps, result.samples, result.micro_batch, result.ooms_recovered) == (3, 24, 4, 1)
     names = [e.name for e in result.events]
     assert names == ["oom", "paused", "micro_batch_changed", "resumed"]
     assert result.events[0]["waiting"] is True and result.events[0]["phase"] == "forward"
@@ -412,7 +412,7 @@ def test_fifty_ooms_leave_nothing_behind_without_a_full_collection(hub, monkeypa
     model = ConvNet()
     result = gputui.fit(model, conv_batches(51, 4), step, sgd(model), auto_recover=False, planning="asked")
     ooms = [e for e in result.events if e.name == "oom"]
-    assert len(ooms) == 50 and result.steps == 51
+    assert len(ooms) == 50 and result.steps == 51 and result.ooms_recovered == 50
     assert alive_at_retry == [False] * 50
     assert {e["leaked"] for e in ooms} == {0} and len(set(tracked)) == 1
     assert max(rss[5:]) - min(rss[5:]) < 64 * 2**20  # a leak would add 8 MiB an OOM: 360 MiB

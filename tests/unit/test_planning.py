@@ -97,13 +97,36 @@ def test_a_second_oom_in_a_step_halves_however_low_the_planner_predicts(monkeypa
     budget = int((peaks[16] + peaks[8]) / 2 / planning.FIT_AT_TRACKED)
     honest = predictions.Predictions.peak
     monkeypatch.setattr(predictions.Predictions, "peak", lambda self, p: int(honest(self, p) * 0.8))
+    asked: list[tuple[int, bool, list[int]]] = []  # each OOM's (failed micro-batch, second, sizes predicted)
+    after_oom, get = planning.Planner.after_oom, predictions.Predictions.get
+
+    inside = []
+
+    def recording_after_oom(self, failed, *args):
+        asked.append((failed.micro_batch, args[-1], []))
+        inside.append(True)
+        try:
+            return after_oom(self, failed, *args)
+        finally:
+            inside.pop()
+
+    def recording_get(self, setting, *args):
+        if inside:
+            asked[-1][2].append(setting.micro_batch)
+        return get(self, setting, *args)
+
+    monkeypatch.setattr(planning.Planner, "after_oom", recording_after_oom)
+    monkeypatch.setattr(predictions.Predictions, "get", recording_get)
     result = gputui.fit(model, data, step, opt, memory_budget=budget)
     recovered = [e for e in result.events if e.name == "oom_recovered"]
     assert recovered[0]["reason"].startswith("predicted peak")  # the first OOM: the planner's pick
     for e in recovered[1:]:
         assert e["micro_batch_to"] == e["micro_batch"] // 2, e
-        assert e["reason"].startswith("halved after a second OOM in this step; the planner said"), e
+        assert e["reason"].startswith("halved after a second OOM in this step ("), e
     assert result.steps == 2 and len(recovered) <= 4
+    assert [second for _, second, _ in asked] == [False] + [True] * (len(asked) - 1)
+    for failed, _, sizes in asked[1:]:  # no search above half: a pick there would not be taken
+        assert not [m for m in sizes if failed // 2 < m < failed], (failed, sizes)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
