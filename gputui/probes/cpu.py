@@ -59,8 +59,9 @@ def hidden_from_dynamo(hook: Any) -> Any:
     """`hook` made invisible to torch.compile. Autograd calls hooks from inside a compiled model's
     eager parts (around graph breaks), where dynamo would compile each hook as a frame of its own and
     recompile it past its limit (grad mode differs between forward and backward), warning each
-    time. Only a program that compiles has torch._dynamo loaded (torch.compile imports it), and
-    importing it costs ~1.5 s, so without it the hook is returned as it is."""
+    time. torch._dynamo is loaded by torch.compile and by every torch.optim optimizer's constructor
+    (torch 2.13), so a run almost always has it: a wrapped hook then costs ~0.25 us a call. Where it
+    is not loaded (importing it costs ~1.5 s), nothing can compile, and the hook is returned as it is."""
     if "torch._dynamo" not in sys.modules:
         return hook
     return torch.compiler.disable(hook)
