@@ -200,11 +200,7 @@ class Hub:
 
     def _failed(self, sink: Sink, failure: SinkFailed) -> None:
         self.remove_sink(sink)
-        try:
-            sys.stderr.write(f"gputui: {failure}\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+        say_failed(failure)
         last = self.latest()
         self.emit(Event("sink_failed", last.step if last else 0, {**failure.details, "message": str(failure)}))
 
@@ -232,6 +228,15 @@ class Hub:
     def events(self) -> list[Event]:
         with self._lock:
             return list(self._events)
+
+
+def say_failed(failure: SinkFailed) -> None:
+    """A sink's failure, one line on stderr (which may be closed itself)."""
+    try:
+        sys.stderr.write(f"gputui: {failure}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _step_call(sink: Sink) -> Callable[[StepRecord], None]:

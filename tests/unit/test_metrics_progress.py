@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from helpers import ConvNet, conv_batches, conv_step, halving_only
+from process import wait_until
 
 import gputui
 from gputui.telemetry.describe import describe
@@ -235,4 +236,32 @@ def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_pa
         "gputui: stopped (requested): 5 steps, 80 samples in 2.0s; last loss 0.5; micro-batch 8, amp bf16, "
         "checkpointing on, 1 OOM(s) recovered",
         f"gputui: saved {path} ({format_bytes(path.stat().st_size)})",
+    ]
+
+
+def test_a_metrics_file_has_each_step_while_training_goes_on_and_every_line_in_order(hub, tmp_path):
+    """Steps are written by the file's own thread within FLUSH_S (a step does not wait for it); an event
+    is written after the steps before it, and close() writes what is left."""
+    path = tmp_path / "m.jsonl"
+    metrics = MetricsFile(path)
+    hub.add_sink(metrics)
+    calls = []
+
+    def written():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def step(model, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            hub.controls.request("halve_batch", source="test")  # an event at the boundary after step 2
+        if len(calls) == 6:  # step 4's second piece (steps 3 and 4 run in halves): step 3's line is written
+            wait_until(lambda: any(r.get("step") == 3 for r in written()), 5, "step 3's line while training")
+        return conv_step(model, batch)
+
+    model = ConvNet()
+    gputui.fit(model, conv_batches(5, 4), step, torch.optim.SGD(model.parameters(), lr=0.1))
+    metrics.close()
+    order = [(r["kind"], r.get("name"), r["step"]) for r in written()[1:] if r.get("name") != "part_ended"]
+    assert order == [("step", None, 1), ("step", None, 2), ("event", "micro_batch_changed", 2)] + [
+        ("step", None, n) for n in (3, 4, 5)
     ]
