@@ -122,6 +122,17 @@ class Runner:
         assert self.items is not None
         return count(self.items, batch)
 
+    def none_counted(self, batch: Any) -> bool:
+        """Whether `items` counts nothing in a batch trained whole (its loss a mean over nothing: NaN, which
+        would train into every weight). Read only where it costs no wait for the device: a count
+        that is a device tensor is left unread (a sync a step), as a batch cut into pieces reads it."""
+        if self.items is None:
+            return False
+        n = self.items(batch)
+        if isinstance(n, torch.Tensor) and n.device.type != "cpu":
+            return False
+        return count(lambda _: n, batch) == 0
+
     def units(self, batch: Any) -> int:
         """The whole batch's items (its samples without `items`)."""
         return self.count(batch) if self.items is not None else self.state.batch_size

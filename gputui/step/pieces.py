@@ -42,8 +42,8 @@ def run_pieces(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Forward each piece, then backward on `loss * weight(n)` (n: the piece's count, of `units`).
     `sync(last)`: the context a piece runs in (DDP's no_sync but for the last, FSDP's gradient sync);
-    `skip_empty`: a piece of no items is not run (its mean over nothing would be NaN; a strategy whose
-    passes are collectives runs it at weight 0); `hold_last`: the last piece is forwarded, not
+    `skip_empty`: a piece of no items is not run (its mean over nothing would be NaN), but a held last
+    one (a strategy whose passes are collectives runs it at weight 0); `hold_last`: the last piece is forwarded, not
     backwarded, and its loss returned (DDP: its synced backward waits for the exchange); `after`:
     once a piece's backward is done. Returns this rank's mean loss over the pieces run (float32, out
     of the graph), and the held loss."""
@@ -52,7 +52,7 @@ def run_pieces(
     loss_sum = None
     for i, piece in enumerate(pieces):
         n = counts[i]
-        if skip_empty and not n and i < last:
+        if skip_empty and not n and (i < last or not hold_last):  # a held last piece syncs: it runs
             continue
         with sync(i == last):
             at.phase = "forward"

@@ -89,19 +89,35 @@ def test_oom_replays_keep_the_token_weights(monkeypatch):
     assert_same_weights(model, ref)
 
 
-def test_a_piece_without_items_is_skipped_and_a_batch_without_any_is_an_error():
+@pytest.mark.parametrize(
+    ("empty", "micro_batch"),
+    [(slice(0, 2), 2), (slice(2, 4), 2), (slice(3, 4), 1), (slice(3, 4), 3)],
+    ids=["first-of-2", "last-of-2", "last-of-4", "last-of-3+1"],
+)
+def test_a_piece_without_items_is_skipped_wherever_it_is(empty, micro_batch):
+    """Its mean over nothing is nan: run at weight 0, it made the loss nan (and a masked mean's gradients)."""
     batch = padded_batches(1, 4)[0]
-    batch["labels"][:2] = -100  # the first piece of 2 has no token that counts: its mean is nan
+    batch["labels"][empty] = -100
     expected = whole_batch_gradients(batch)
     torch.manual_seed(0)
-    with own_process():  # the failing fit below is its process's step 1
-        grads, _ = fitted_gradients(TokenModel(), batch, micro_batch=2, items=count_tokens)
+    whole_loss = padded_step(TokenModel(), batch).item()
+    torch.manual_seed(0)
+    grads, result = fitted_gradients(TokenModel(), batch, micro_batch=micro_batch, items=count_tokens)
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+    assert result.loss == pytest.approx(whole_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("micro_batch", [2, None], ids=["cut", "whole"])
+def test_a_batch_without_any_item_is_an_error(micro_batch):
+    """Trained whole, its nan loss would have trained into every weight."""
+    batch = padded_batches(1, 4)[0]
     batch["labels"][:] = -100
     model = TokenModel()
-    with pytest.raises(gputui.FitError, match="counted 0 items in the whole batch of step 1"):
-        gputui.fit(model, [batch], padded_step, sgd(model), micro_batch=2, items=count_tokens)
+    before = [p.detach().clone() for p in model.parameters()]
+    with own_process(), pytest.raises(gputui.FitError, match="counted 0 items in the whole batch of step 1"):
+        gputui.fit(model, [batch], padded_step, sgd(model), micro_batch=micro_batch, items=count_tokens)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,8 @@ class Single:
         pieces = [batch] if size >= self.state.batch_size else runner.cut(batch, size)
         try:
             if len(pieces) == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
+                if runner.none_counted(batch):
+                    raise self.recovery.no_items(everywhere=False)
                 loss = runner.forward(batch)
                 at.phase = "backward"
                 runner.backward(loss)
