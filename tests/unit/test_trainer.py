@@ -7,10 +7,14 @@ import copy
 import pytest
 import torch
 from helpers import (
+    ConvNet,
     RequestAt,
     TokenModel,
+    assert_same_buffers,
     assert_same_tensors,
     assert_same_weights,
+    conv_batches,
+    conv_step,
     count_tokens,
     halving_only,
     own_process,
@@ -226,3 +230,35 @@ def test_a_step_and_optimizer_swapped_are_said_so():
     model = TokenModel()
     with pytest.raises(TypeError, match=r"^gputui.Trainer takes \(model, optimizer, step\)"):
         gputui.Trainer(model, padded_step, sgd(model))
+
+
+def test_a_step_that_raises_and_is_caught_leaves_nothing_to_the_next(hub):
+    """The "skip a bad batch" loop: the raise comes in the second piece, after the first's backward and
+    its BatchNorm update; the next steps train as a plain loop that never saw that batch."""
+    batches = conv_batches(4, 8)
+    batches[1][0][5] = float("nan")  # in the second piece of 4
+
+    def checked(model, batch):
+        if batch[0].isnan().any():
+            raise ValueError("bad sample")
+        return conv_step(model, batch)
+
+    torch.manual_seed(0)
+    ref = ConvNet(batch_norm=True)
+    model = copy.deepcopy(ref)
+    ref_opt = sgd(ref)
+    for batch in [batches[0], batches[2], batches[3]]:
+        for piece in zip(batch[0].split(4), batch[1].split(4), strict=True):
+            (conv_step(ref, piece) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    skipped = []
+    with gputui.Trainer(model, sgd(model), checked, micro_batch=4) as trainer:
+        for batch in batches:
+            try:
+                trainer.step(batch)
+            except ValueError:
+                skipped.append(trainer.result().steps)
+    assert skipped == [1]
+    assert_same_weights(model, ref)
+    assert_same_buffers(model, ref)

@@ -96,6 +96,9 @@ class Single:
         except Exception as exc:
             if is_oom(exc):
                 return self.recovery.caught(exc, at.phase, size)
+            # The script's own loop may catch it and train on: nothing of the failed step may leak into the
+            # next (its pieces' gradients, running statistics, counted activations, draws), as after an OOM
+            self.recovery.drop_step()
             error = cudnn_error(exc)
             if error is None:
                 raise
