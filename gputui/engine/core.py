@@ -51,6 +51,18 @@ def _ANOTHER() -> bool:
     return True
 
 
+def _check_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer made for another model (the model rebuilt or reloaded after it) would step nothing
+    of this one, and its gradients would pile up: said before the run, not found after it."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trainable and not trainable & held:
+        raise ValueError(
+            f"the optimizer holds none of the model's {len(trainable)} trainable parameters: make it after the "
+            "model, from its parameters (torch.optim.AdamW(model.parameters())), or after the model is rebuilt"
+        )
+
+
 class Core:
     def __init__(
         self,
@@ -66,6 +78,7 @@ class Core:
             raise TypeError("step must be a function step(model, batch) -> loss")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_holds(optimizer, model)
         hub = for_process(sys.stdout)  # the installed hub; under plain `python script.py`, one of its own
         self.hub = hub
         shared = is_shared(o.distributed, model)

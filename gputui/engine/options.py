@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -100,3 +101,27 @@ class FitOptions:
             raise ValueError(f'planning must be "auto", "asked" or "off", got {self.planning!r}')
         if self.planning == "off" and self.micro_batch == "auto":
             raise ValueError('micro_batch="auto" needs the planner, and planning="off" never traces a step')
+        if self.scheduler is not None:
+            _check_scheduler(self.scheduler)
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    """One gputui steps once per trained step with no argument: a scheduler that needs one (a metric)
+    would fail after the step's optimizer.step(), that step moved and not counted."""
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+    try:
+        needed = [
+            p.name
+            for p in inspect.signature(step).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a builtin with no signature: taken as it is
+        return
+    if needed:
+        raise ValueError(
+            f"scheduler={type(scheduler).__name__} steps on a value ({', '.join(needed)}): gputui steps a scheduler "
+            f"once a step with none. Step it yourself where that value is known (scheduler.step(val_loss) "
+            f"after an evaluation) and pass no scheduler"
+        )

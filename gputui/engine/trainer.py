@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..telemetry.controls import AMP_MODES
 from .core import Core
 from .options import FitOptions, positive
 from .result import FitError, FitResult
@@ -221,6 +222,7 @@ class Trainer:
             raise ValueError(f"load_state_dict() takes what Trainer.state_dict() returned, got {type(saved).__name__}")
         if saved.get("version") != STATE_VERSION:
             raise ValueError(f"this state_dict is version {saved.get('version')!r}; gputui reads {STATE_VERSION}")
+        _check_state(saved)
         core = self._core
         if core.session.steps != core.first_step:
             raise ValueError("load_state_dict() must come before the first trainer.step()")
@@ -233,3 +235,27 @@ class Trainer:
         session.steps, session.samples = int(saved["steps"]), int(saved["samples"])
         core.first_step, core.first_samples = session.steps, session.samples
         core.planning.load_state_dict(saved.get("planner"))
+
+
+def _check_state(saved: dict[str, Any]) -> None:
+    """Each field Trainer.state_dict() writes, of the kind it writes (an edited or foreign dict is said
+    field by field, not trained on: steps=-5 would count on from -4)."""
+
+    def wrong(field: str, what: str) -> ValueError:
+        return ValueError(f"this state_dict's {field!r} must be {what}, got {saved[field]!r}")
+
+    for field in ("steps", "samples", "micro_batch", "amp", "checkpointing", "auto_recover"):
+        if field not in saved:
+            raise ValueError(f"this state_dict has no {field!r}: load what Trainer.state_dict() returned")
+    for field in ("steps", "samples"):
+        value = saved[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise wrong(field, "an int >= 0")
+    mb = saved["micro_batch"]
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+        raise wrong("micro_batch", "a positive int or None")
+    if saved["amp"] not in AMP_MODES:
+        raise wrong("amp", f"one of {', '.join(AMP_MODES)}")
+    for field in ("checkpointing", "auto_recover"):
+        if not isinstance(saved[field], bool):
+            raise wrong(field, "True or False")

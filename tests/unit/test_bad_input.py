@@ -55,6 +55,25 @@ def test_bad_arguments(kwargs, error, message):
         gputui.fit(model, conv_batches(1, 2), conv_step, sgd(model), **kwargs)
 
 
+def test_an_optimizer_of_another_model_and_a_scheduler_that_needs_a_metric_are_refused_up_front():
+    """Either trained nothing (the optimizer) or failed after the first optimizer.step() (the scheduler)."""
+    model = ConvNet()
+    stale = sgd(ConvNet())  # made before the model was rebuilt
+    with pytest.raises(ValueError, match="the optimizer holds none of the model's 16 trainable parameters"):
+        gputui.fit(model, conv_batches(1, 2), conv_step, stale)
+    with pytest.raises(ValueError, match="the optimizer holds none"):
+        gputui.Trainer(model, stale, conv_step)
+    optimizer = sgd(model)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(ValueError, match=r"scheduler=ReduceLROnPlateau steps on a value \(metrics\)"):
+        gputui.fit(model, conv_batches(1, 2), conv_step, optimizer, scheduler=plateau)
+    with pytest.raises(TypeError, match="scheduler must have a step"):
+        gputui.Trainer(model, optimizer, conv_step, scheduler=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    gputui.fit(model, conv_batches(1, 2), conv_step, optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))  # a plain one trains
+
+
 def test_checkpointing_without_blocks_is_refused_up_front():
     model = nn.Sequential(nn.Flatten(), nn.Linear(108, 5))
     with pytest.raises(ValueError, match="checkpointing=True, but no repeated blocks found"):

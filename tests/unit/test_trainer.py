@@ -26,6 +26,17 @@ from helpers import (
 import gputui
 from gputui.engine.trainer import STATE_VERSION
 
+GOOD_STATE = {
+    "version": STATE_VERSION,
+    "steps": 3,
+    "samples": 24,
+    "micro_batch": None,
+    "amp": "off",
+    "checkpointing": False,
+    "auto_recover": True,
+    "scaler": None,
+    "planner": None,
+}
 BUDGET = "64KiB"  # a whole batch of 8 does not fit (with the momentum buffers): step 1 halves it to 4
 
 
@@ -147,6 +158,11 @@ def test_steps_is_the_start_records_total(hub):
         ([1, 2], "load_state_dict() takes what Trainer.state_dict() returned, got list"),
         ({"steps": 3, "version": STATE_VERSION + 1}, f"this state_dict is version {STATE_VERSION + 1}; gputui reads"),
         ({"steps": 3}, "this state_dict is version None; gputui reads"),
+        ({"version": STATE_VERSION, "steps": 3}, "this state_dict has no 'samples'"),
+        ({**GOOD_STATE, "steps": -5}, "this state_dict's 'steps' must be an int >= 0, got -5"),
+        ({**GOOD_STATE, "micro_batch": 0}, "this state_dict's 'micro_batch' must be a positive int or None, got 0"),
+        ({**GOOD_STATE, "amp": "bogus"}, "this state_dict's 'amp' must be one of off, bf16, fp16, got 'bogus'"),
+        ({**GOOD_STATE, "auto_recover": "yes"}, "this state_dict's 'auto_recover' must be True or False"),
     ],
 )
 def test_a_bad_state_is_a_one_line_error(state, message):
