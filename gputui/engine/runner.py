@@ -29,7 +29,11 @@ from .state import RunState
 def count(items: Callable[[Any], Any], batch: Any) -> int:
     """items(batch) as a count: an int, or a tensor of one integral value (read on the host batch).
     Training weighs its pieces with it, evaluate() too."""
-    n = items(batch)
+    return as_count(items(batch))
+
+
+def as_count(n: Any) -> int:
+    """What items() returned, checked to be a count."""
     try:
         value = float(n)  # an int, a NumPy integer, a one-element tensor
     except (TypeError, ValueError, RuntimeError):
@@ -131,7 +135,7 @@ class Runner:
         n = self.items(batch)
         if isinstance(n, torch.Tensor) and n.device.type != "cpu":
             return False
-        return count(lambda _: n, batch) == 0
+        return as_count(n) == 0
 
     def units(self, batch: Any) -> int:
         """The whole batch's items (its samples without `items`)."""

@@ -43,9 +43,9 @@ def run_pieces(
     """Forward each piece, then backward on `loss * weight(n)` (n: the piece's count, of `units`).
     `sync(last)`: the context a piece runs in (DDP's no_sync but for the last, FSDP's gradient sync);
     `skip_empty`: a piece of no items is not run (its mean over nothing would be NaN), but a held last
-    one (a strategy whose passes are collectives runs it at weight 0); `hold_last`: the last piece is forwarded, not
-    backwarded, and its loss returned (DDP: its synced backward waits for the exchange); `after`:
-    once a piece's backward is done. Returns this rank's mean loss over the pieces run (float32, out
+    one (a strategy whose passes are collectives runs it at weight 0); `hold_last`: the last piece is
+    forwarded, not backwarded, and its loss returned (DDP: its synced backward waits for the exchange);
+    `after`: once a piece's backward is done. Returns this rank's mean loss over the pieces run (float32, out
     of the graph), and the held loss."""
     at = at if at is not None else Progress()
     last = len(pieces) - 1
