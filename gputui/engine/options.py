@@ -103,6 +103,10 @@ class FitOptions:
             raise ValueError('micro_batch="auto" needs the planner, and planning="off" never traces a step')
         if self.scheduler is not None:
             _check_scheduler(self.scheduler)
+        for name, allowed in (("auto_recover", (True, False)), ("checkpointing", (True, False, None))):
+            value = getattr(self, name)
+            if not any(value is a for a in allowed):  # 1 or 0 would be carried on, and written back, as an int
+                raise TypeError(f"{name} must be {' or '.join(map(str, allowed))}, got {value!r}")
 
 
 def _check_scheduler(scheduler: Any) -> None:

@@ -4,6 +4,7 @@ scaler, the gradient norm and its clipping, the optimizer step, and the bookkeep
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -197,6 +198,14 @@ class Runner:
             self.optimizer.step()
         if self.tracker is not None:
             self.tracker.refresh_optimizer()
+
+    def abandon_optimizer_step(self) -> None:
+        """After an error inside the optimizer step: a GradScaler that unscaled this step's gradients would
+        refuse the next step's unscale_(); its update() closes the step (as one it skipped)."""
+        scaler = self.precision.scaler
+        if scaler is not None:
+            with contextlib.suppress(RuntimeError):  # nothing unscaled yet: nothing to close
+                scaler.update()
 
     def clip_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (a tensor: read later, without waiting for the device), the

@@ -10,11 +10,13 @@ run's start, its events and its end are written where they happen, after the ste
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -51,11 +53,14 @@ class MetricsFile:
         self._failure: SinkFailed | None = None  # the writing thread's, for the next call to raise
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        _OPEN.add(self)
 
     # -- the sink ---------------------------------------------------------------------------
     def on_record(self, record: StepRecord) -> None:
         if self._failure is not None:
             self._raise_failure()
+        if self._file.closed:  # failed, or a forked child's copy
+            return
         self._steps.append(record)
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_steps, name="gputui-metrics", daemon=True)
@@ -81,14 +86,24 @@ class MetricsFile:
         try:
             with self._lock:
                 self._flush()
-        except SinkFailed as failure:
-            say_failed(failure)
-        if self._failure is not None:  # the thread's, and no call came to raise it
-            say_failed(self._failure)
+        except SinkFailed as failed:
+            say_failed(failed)
+        unsaid, self._failure = self._failure, None
+        if unsaid is not None:  # the thread's, and no call came to raise it
+            say_failed(unsaid)
         try:
             self._file.close()
         except OSError:  # an unbuffered file has nothing left to write: never fails a run that trained
             pass
+        _OPEN.discard(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent writes the file (its queued steps too); the child's copy writes
+        nothing, and its lock (taken by the parent's thread, maybe, at the fork) is a new one."""
+        self._lock, self._stop, self._thread = threading.Lock(), threading.Event(), None
+        self._steps.clear()
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     # -- writing ----------------------------------------------------------------------------
     def _line(self, record: dict[str, Any]) -> None:
@@ -145,6 +160,23 @@ class MetricsFile:
 
 FLUSH_S = 0.2
 """The most a step's line waits before it is written (its thread's turn)."""
+
+_OPEN: weakref.WeakSet[MetricsFile] = weakref.WeakSet()
+"""The files not closed yet: a script that never closes one still gets its steps at exit."""
+
+
+def _close_all() -> None:
+    for metrics in list(_OPEN):
+        metrics.close()
+
+
+def _forked() -> None:
+    for metrics in list(_OPEN):
+        metrics._forked()
+
+
+atexit.register(_close_all)
+os.register_at_fork(after_in_child=_forked)
 
 
 def _encode(record: dict[str, Any]) -> bytes:

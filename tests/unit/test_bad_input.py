@@ -47,6 +47,8 @@ def test_empty_data_and_one_shot_generators():
         (dict(epochs=1.5), ValueError, "epochs must be a positive int"),
         (dict(device="cuda"), ValueError, "CUDA is not available"),
         (dict(device="tpu"), RuntimeError, "tpu"),
+        (dict(auto_recover=0), TypeError, "auto_recover must be True or False, got 0"),
+        (dict(checkpointing=1), TypeError, "checkpointing must be True or False or None, got 1"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 from helpers import ConvNet, conv_batches, conv_step, halving_only
-from process import wait_until
+from process import python, wait_until
 
 import gputui
 from gputui.telemetry.describe import describe
@@ -265,3 +265,37 @@ def test_a_metrics_file_has_each_step_while_training_goes_on_and_every_line_in_o
     assert order == [("step", None, 1), ("step", None, 2), ("event", "micro_batch_changed", 2)] + [
         ("step", None, n) for n in (3, 4, 5)
     ]
+
+
+FORKS_MID_RUN = """
+import os, sys
+import torch
+import gputui
+from gputui.telemetry.jsonl import MetricsFile
+from gputui.telemetry.setup import for_process
+
+hub = for_process(None)
+hub.add_sink(MetricsFile(sys.argv[1]))  # never closed by the script
+calls = []
+
+def step(model, batch):
+    calls.append(1)
+    if len(calls) == 4 and os.fork() == 0:  # a child that ends normally (its atexit runs), steps queued
+        sys.exit(0)
+    return model(batch[0]).pow(2).mean()
+
+model = torch.nn.Linear(4, 1)
+gputui.fit(model, [(torch.randn(8, 4),)] * 5, step, torch.optim.SGD(model.parameters(), lr=0.1))
+"""
+
+
+@pytest.mark.process
+def test_a_metrics_file_never_closed_has_every_step_once_and_a_forked_child_adds_none(tmp_path):
+    """Its steps queued at a fork are the parent's to write (the child wrote them again), and at exit
+    the steps still queued are written (they were lost without a close())."""
+    path = tmp_path / "m.jsonl"
+    done = python("-c", FORKS_MID_RUN, path, env={**os.environ, "GPUTUI_NO_SOCKET": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "step"] == [1, 2, 3, 4, 5]
+    assert [r["kind"] for r in lines].count("start") == 1 and lines[-1]["kind"] == "end"

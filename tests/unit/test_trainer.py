@@ -278,3 +278,26 @@ def test_a_step_that_raises_and_is_caught_leaves_nothing_to_the_next(hub):
     assert skipped == [1]
     assert_same_weights(model, ref)
     assert_same_buffers(model, ref)
+
+
+def test_after_an_error_in_the_optimizer_step_under_fp16_the_next_steps_train(hub):
+    """The GradScaler had unscaled the failed step's gradients: it refused every later step's unscale_()."""
+
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("a bad step")
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 1)
+    results, raised = [], []
+    with gputui.Trainer(model, Flaky(model.parameters(), lr=0.1), lambda m, b: m(b).pow(2).mean(), amp="fp16") as t:
+        for _ in range(4):
+            try:
+                results.append(t.step(torch.randn(8, 4)))
+            except RuntimeError as exc:
+                raised.append(str(exc))
+    assert raised == ["a bad step"] and [r.steps for r in results] == [1, 2, 3]

@@ -98,6 +98,8 @@ class Single:
                 return self.recovery.caught(exc, at.phase, size)
             # The script's own loop may catch it and train on: nothing of the failed step may leak into the
             # next (its pieces' gradients, running statistics, counted activations, draws), as after an OOM
+            if at.phase == "optimizer":
+                runner.abandon_optimizer_step()
             self.recovery.drop_step()
             error = cudnn_error(exc)
             if error is None:
