@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import harness
@@ -49,57 +50,28 @@ WORKLOADS = {
 # running beside the steps, its server thread and the garbage its records make, is charged to it).
 OWN = {"interleaved": (6000, 300), "blocks": (40, 300, 50)}
 QUICK_OWN = {"interleaved": (600, 50), "blocks": (6, 150, 30)}
-# (timed steps, warm-up steps) per workload; quick: a fraction. Warm-up long enough for the TUI's screen
-# (a process of its own) to be up: its start is not what a run of hours pays.
-FULL = {
-    "mlp": (3000, 600),
-    "gpt": (80, 20),
-    "mlp-1t": (3000, 600),
-    "mlp-b512": (2000, 400),
-    "mlp-b832": (1500, 300),
-    "mlp-b1024": (1500, 300),
-}
-QUICK = {
-    "mlp": (150, 20),
-    "gpt": (12, 3),
-    "mlp-1t": (150, 20),
-    "mlp-b512": (120, 20),
-    "mlp-b832": (100, 20),
-    "mlp-b1024": (100, 20),
-}
-# alternating in one process: (blocks of each loop, timed steps a block, warm-up steps a block)
-BLOCKS = {
-    "mlp": (60, 20, 4),
-    "gpt": (16, 6, 3),
-    "mlp-1t": (40, 20, 4),
-    "mlp-b512": (40, 20, 4),
-    "mlp-b832": (60, 20, 4),
-    "mlp-b1024": (30, 15, 3),
-}
-QUICK_BLOCKS = {
-    "mlp": (10, 20, 4),
-    "gpt": (3, 6, 3),
-    "mlp-1t": (10, 20, 4),
-    "mlp-b512": (8, 20, 4),
-    "mlp-b832": (8, 20, 4),
-    "mlp-b1024": (5, 15, 3),
-}
-# interleaved step by step in one process: (steps, warm-up steps)
-INTERLEAVED = {
-    "mlp": (3000, 100),
-    "gpt": (200, 10),
-    "mlp-1t": (3000, 100),
-    "mlp-b512": (2000, 80),
-    "mlp-b832": (1500, 60),
-    "mlp-b1024": (1500, 50),
-}
-QUICK_INTERLEAVED = {
-    "mlp": (400, 50),
-    "gpt": (30, 5),
-    "mlp-1t": (400, 50),
-    "mlp-b512": (300, 30),
-    "mlp-b832": (200, 20),
-    "mlp-b1024": (200, 20),
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How long a workload is measured each way: `runs` (timed steps, warm-up steps) of each loop's
+    process, warm-up long enough for the TUI's screen (a process of its own) to be up, its start not
+    what a run of hours pays; `blocks` (blocks of each loop, timed steps a block, warm-up steps a
+    block) alternating in one process; `interleaved` (steps, warm-up steps) step by step in one process."""
+
+    runs: tuple[int, int]
+    blocks: tuple[int, int, int]
+    interleaved: tuple[int, int]
+
+
+# per workload: (full, quick)
+SIZES = {
+    "mlp": (Sizes((3000, 600), (60, 20, 4), (3000, 100)), Sizes((150, 20), (10, 20, 4), (400, 50))),
+    "gpt": (Sizes((80, 20), (16, 6, 3), (200, 10)), Sizes((12, 3), (3, 6, 3), (30, 5))),
+    "mlp-1t": (Sizes((3000, 600), (40, 20, 4), (3000, 100)), Sizes((150, 20), (10, 20, 4), (400, 50))),
+    "mlp-b512": (Sizes((2000, 400), (40, 20, 4), (2000, 80)), Sizes((120, 20), (8, 20, 4), (300, 30))),
+    "mlp-b832": (Sizes((1500, 300), (60, 20, 4), (1500, 60)), Sizes((100, 20), (8, 20, 4), (200, 20))),
+    "mlp-b1024": (Sizes((1500, 300), (30, 15, 3), (1500, 50)), Sizes((100, 20), (5, 15, 3), (200, 20))),
 }
 
 
@@ -228,11 +200,12 @@ def interleaved(tmp: str, model: str, steps: int, warmup: int, device: str) -> d
 
 def run(quick: bool, device: str) -> dict[str, Any]:
     device = harness.device_of(device)
-    config = QUICK if quick else FULL
+    sizes = {name: both[quick] for name, both in SIZES.items()}
     reps = 2 if quick else 6
     out: dict[str, Any] = {"device": device, "repetitions": reps, "workloads": {}}
     with harness.scratch() as tmp:
-        for model, (steps, warmup) in config.items():
+        for model, size in sizes.items():
+            steps, warmup = size.runs
             runs: dict[str, list[dict[str, Any]]] = {loop: [] for loop in LOOPS}
             for rep in range(reps):
                 order = LOOPS[rep % len(LOOPS) :] + LOOPS[: rep % len(LOOPS)]
@@ -262,8 +235,8 @@ def run(quick: bool, device: str) -> dict[str, Any]:
                     for loop in LOOPS
                 },
                 "steal_pct": harness.summary([r["steal_pct"] for rs in runs.values() for r in rs]),
-                "alternating": alternating(tmp, model, *(QUICK_BLOCKS if quick else BLOCKS)[model], device),
-                "interleaved": interleaved(tmp, model, *(QUICK_INTERLEAVED if quick else INTERLEAVED)[model], device),
+                "alternating": alternating(tmp, model, *size.blocks, device),
+                "interleaved": interleaved(tmp, model, *size.interleaved, device),
                 "other_cpu_pct": {
                     loop: harness.summary([r["cpu_pct"]["ui"] + r["cpu_pct"]["gputui threads"] for r in rs])
                     for loop, rs in runs.items()
@@ -281,7 +254,7 @@ def run(quick: bool, device: str) -> dict[str, Any]:
 
     out["own"]["description"] = make("null").description
 
-    for name in config:
+    for name in sizes:
         model, threads, batch = WORKLOADS[name]
         out["workloads"][name]["description"] = make(model, batch=batch).description + (
             f"; torch limited to {threads} thread (a core left free)" if threads else ""

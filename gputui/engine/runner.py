@@ -83,6 +83,7 @@ class Runner:
         self._accumulators: list[Any] = []  # see hold_accumulators()
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
+        self._count_whole = True  # items() of a batch trained whole is read (a host count)
         self._said_fused = False  # the fp16 scaler's wait for the GPU: said once a run
 
     # -- the run ----------------------------------------------------------------------------
@@ -131,10 +132,11 @@ class Runner:
         """Whether `items` counts nothing in a batch trained whole (its loss a mean over nothing: NaN, which
         would train into every weight). Read only where it costs no wait for the device: a count
         that is a device tensor is left unread (a sync a step), as a batch cut into pieces reads it."""
-        if self.items is None:
+        if self.items is None or not self._count_whole:
             return False
         n = self.items(batch)
         if isinstance(n, torch.Tensor) and n.device.type != "cpu":
+            self._count_whole = False  # the data comes on the device: not asked again (a kernel a step)
             return False
         return as_count(n) == 0
 
