@@ -118,6 +118,13 @@ STAGES = [
         verdicts.nccl,
     ),
     Stage(
+        "fitcost",
+        "benchmarks/fit_cost.py: what fit adds to a step on the GPU, and which of its parts add it",
+        90,
+        lambda out, tmp: _py("benchmarks/fit_cost.py", "--device", "cuda", "--json", f"{tmp}/fitcost.json"),
+        verdicts.fitcost,
+    ),
+    Stage(
         "bench",
         "benchmarks/run.py --only remedies,planner --device cuda: the CUDA columns",
         240,

@@ -197,6 +197,19 @@ def nccl(out: str, tmp: str, output: str) -> Verdict:
     return passed, r, line
 
 
+def fitcost(out: str, tmp: str, output: str) -> Verdict:
+    """fit's added time a step (interleaved with a plain loop), as is and without each of its parts."""
+    c = _json(f"{tmp}/fitcost.json")
+    lines = []
+    for name, w in c["workloads"].items():
+        added = {v: s["median"] for v, s in w["added_us"].items()}
+        parts = ", ".join(f"{v} +{a:.0f}" for v, a in added.items() if v != "fit")
+        lines.append(
+            f"{name} (plain {w['plain_ms']:.2f} ms): fit +{added['fit']:.0f} us ({w['ratio']['fit']:.3f}); {parts}"
+        )
+    return True, c, "; ".join(lines)
+
+
 def bench(out: str, tmp: str, output: str) -> Verdict:
     results = _json(f"{out}/bench/results.json")["results"]
     parts, figures = [], {}
