@@ -260,16 +260,19 @@ class Core:
             checkpointing=self.checkpointing.enabled,
             ranks=self.strategy.ranks,
             grad_norm=state.grad_norm,
+            exact=self.planning.planner is not None,
         )
-        state.memory = memory
-        state.baseline = memory.allocated or 0
-        if memory.alloc_retries is not None:  # a caching allocator's count (CUDA)
-            self.recovery.watch_thrashing(memory.alloc_retries)
-        self.planning.after_step(memory)
         loss = state.loss
         if loss is not None and not math.isfinite(loss) and not self._warned_loss:
             self._warned_loss = True
             self.session.emit("loss_not_finite", loss=str(loss))
+        if memory is None:  # no new reading after this step: the last one stands
+            return
+        state.memory = memory
+        state.baseline = memory.allocated or 0
+        if memory.alloc_retries is not None:  # a caching allocator's count (CUDA)
+            self.recovery.watch_thrashing(memory.alloc_retries, self.session.steps)
+        self.planning.after_step(memory)
 
     # -- the run ----------------------------------------------------------------------------
     @contextlib.contextmanager

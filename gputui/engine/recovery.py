@@ -42,7 +42,7 @@ class Recovery:
         self.session, self.state, self.boundary, self.planning = session, state, boundary, planning
         self.shared = shared
         self.thrashing = False  # this rank's allocator thrashed since its last exchange (torchrun)
-        self._retries = (0, 0)  # (alloc retries at the last step, steps in a row they grew)
+        self._retries = (0, 0, 0)  # alloc retries at the last reading, steps in a row they grew, the step then
 
     def no_budget_left(self) -> str | None:
         """Why no batch can fit before the first: the parameters and optimizer state pass the budget."""
@@ -176,23 +176,26 @@ class Recovery:
             "starts, lets the allocator grow its segments in place instead."
         )
 
-    def watch_thrashing(self, retries: int) -> None:
+    def watch_thrashing(self, retries: int, step: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
         is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes
-        (under torchrun, said at the exchange, where every rank halves)."""
-        last, streak = self._retries
-        streak = streak + 1 if retries > last else 0
-        self._retries = (retries, streak)
+        (under torchrun, said at the exchange, where every rank halves). `retries` is read after `step`,
+        a few steps after the last reading on CUDA (probes/cuda.py): they count as retrying steps only
+        where the count grew by at least one a step."""
+        last, streak, at = self._retries
+        steps = max(1, step - at)
+        streak = streak + steps if retries - last >= steps else 0
+        self._retries = (retries, streak, step)
         if streak < THRASHING_STEPS:
             return
         if self.shared:
-            self.thrashing, self._retries = True, (retries, 0)
+            self.thrashing, self._retries = True, (retries, 0, step)
             return
         state = self.state
         current = state.micro_batch_now()
         if state.auto_recover and state.sizing.can_halve(current):
             state.micro_batch = state.sizing.halved(current)
-            self._retries = (retries, 0)
+            self._retries = (retries, 0, step)
             self.session.emit(
                 "thrashing",
                 alloc_retries=retries,

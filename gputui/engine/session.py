@@ -122,6 +122,7 @@ class RunSession:
                 tracker.close()
             raise
         self.tracker = tracker
+        self._memory: Memory | None = None  # the probe's last reading after a step
         reason = snapshot.unavailable(device)
         self.memory_history = self._history_asked and reason is None
         if self.memory_history:
@@ -276,15 +277,20 @@ class RunSession:
         loss_source: str | None = None,
         ranks: tuple[RankMemory, ...] = (),
         grad_norm: float | None = None,
-    ) -> Memory:
-        """Publish the step just counted (`steps`, `samples`) with memory after it; returns that memory.
+        exact: bool = False,
+    ) -> Memory | None:
+        """Publish the step just counted (`steps`, `samples`) with the memory after it: a new reading where
+        the probe makes one (on CUDA, a few a second; `exact`: after every step, for a planner calibrating
+        against each), else the last one again. Returns the new reading, or None.
 
         What is published is a record of the figures (a tuple in StepSample's field order): the
         sample is made by whoever reads it, if anyone does (sample.StepRecord)."""
         now = time.monotonic()
         steps, samples = self.steps, self.samples
         steps_per_s, samples_per_s = self._rate.add(now, steps, samples)
-        memory = self.probe.read()
+        reading = self.probe.read() if exact else self.probe.step_reading()
+        memory = self._memory = reading or self._memory
+        assert memory is not None  # a probe's first step_reading reads
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
         fields = (time.time(), steps, epoch, loss, batch_size, micro_batch, accumulation, amp, checkpointing)
@@ -293,7 +299,7 @@ class RunSession:
                 fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks, grad_norm)
             )
         )
-        return memory
+        return reading
 
     def clear_rate(self) -> None:
         self._rate.clear()

@@ -21,6 +21,9 @@ from . import allocator, host
 
 FREE_MAX_AGE = 1.0
 """Seconds a device-free reading (cudaMemGetInfo, a driver call) may be reused for."""
+STEP_READ_S = 0.1
+"""Seconds between the readings made after steps (step_reading). A reading and its peak reset cost a
+launch-bound step on an H200 about 140 us (benchmarks/fit_cost.py); the screen redraws 4 times a second."""
 
 
 def _all(stats: Mapping[str, Any], name: str, which: str = "current") -> int:
@@ -55,7 +58,9 @@ def memory_fraction(device: torch.device) -> float:
 
 
 class CudaProbe:
-    """Reads one CUDA device; the step peak is reset at each step start.
+    """Reads one CUDA device. The peak is reset at the first step start after each reading, so a
+    reading's peak covers every step since the one before: steps read at most every STEP_READ_S
+    (step_reading) lose no peak between readings.
 
     Every figure of a step comes from one `memory_stats_as_nested_dict()` call: `memory_stats()`
     (and `memory_allocated()`/`memory_reserved()`, which call it) flattens and sorts its ~150
@@ -81,6 +86,8 @@ class CudaProbe:
         self.unreadable = allocator.unreadable()  # read as 0 without being counted: left None
         self.total = torch.cuda.mem_get_info(device)[1]
         self._room = (float("-inf"), 0, 0)  # when, device free, free + reserved then
+        self._reset_due = True  # a reading took the peak: the next step starts a new one
+        self._step_read_at = float("-inf")  # when step_reading last read; -inf: the next one reads
         self.limit: int | None = None
         self._previous: float | None = None  # the fraction before ours, put back by close()
         if limit is not None:
@@ -101,7 +108,9 @@ class CudaProbe:
             self._previous = None
 
     def start_step(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        if self._reset_due:
+            self._reset_due = False
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _stats(self) -> Mapping[str, Any]:
         return torch.cuda.memory_stats_as_nested_dict(self.device)
@@ -129,7 +138,19 @@ class CudaProbe:
         room = self._read_room(reserved)[2]
         return room if self.limit is None else min(self.limit, room)
 
+    def step_reading(self) -> Memory | None:
+        """After a step: a reading, or None where the last one (at most STEP_READ_S old, and no other
+        reading, cache freeing or OOM since) stands for it."""
+        now = time.monotonic()
+        if now - self._step_read_at < STEP_READ_S:
+            return None
+        memory = self.read()
+        self._step_read_at = now
+        return memory
+
     def read(self) -> Memory:
+        """A reading now, its peak that of the steps since the last reading (or the last reset)."""
+        self._reset_due, self._step_read_at = True, float("-inf")  # what changed is shown after the next step
         stats = self._stats()
         reserved = _all(stats, "reserved_bytes")
         memory = memory_from_stats(
@@ -152,6 +173,7 @@ class CudaProbe:
         gc.collect()
         torch.cuda.empty_cache()
         after = self.reserved()
+        self._step_read_at = float("-inf")  # the next step's reading shows what went
         return {"bytes": before - after, "reserved_before": before, "reserved_after": after}
 
     def after_oom(self, baseline: int) -> None:
@@ -161,6 +183,7 @@ class CudaProbe:
         if self.allocated() > baseline:
             gc.collect()
         torch.cuda.empty_cache()
+        self._reset_due, self._step_read_at = True, float("-inf")  # the replay's peak is its own
 
 
 class NvmlView:

@@ -39,6 +39,9 @@ class MpsProbe:
             **(self.tracker.breakdown() if self.tracker is not None else {}),
         )
 
+    def step_reading(self) -> Memory:
+        return self.read()  # two counters: no cost to save
+
     def free_cache(self) -> dict[str, Any]:
         before = torch.mps.driver_allocated_memory()
         gc.collect()

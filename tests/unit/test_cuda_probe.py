@@ -19,11 +19,15 @@ DEVICE = torch.device("cuda", 0)
 
 class FakeAllocator:
     """One device as torch.cuda reports it: `held` is reserved by live tensors (empty_cache keeps
-    it), `cached` reserved and free (empty_cache returns it), `others` held by other processes."""
+    it), `cached` reserved and free (empty_cache returns it), `others` held by other processes;
+    `peak` the most allocated since the last reset (a step's allocations move it), `retries` the
+    allocator's."""
 
     def __init__(self, total=80 * GiB, held=2 * GiB, cached=GiB, others=0, fraction=1.0):
         self.total, self.held, self.cached, self.others, self.fraction = total, held, cached, others, fraction
         self.allocated = held
+        self.peak = held + GiB
+        self.retries = 3
         self.calls: list[str] = []
 
     @property
@@ -43,8 +47,12 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: self.fraction)
         monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
         return self
+
+    def reset_peak(self, device=None):
+        self.calls.append("reset_peak")
+        self.peak = self.allocated
 
     def mem_get_info(self, device=None):
         return self.total - self.others - self.reserved, self.total
@@ -64,9 +72,9 @@ class FakeAllocator:
             return {"all": pool, "large_pool": pool, "small_pool": dict.fromkeys(pool, 0)}
 
         return {
-            "num_alloc_retries": 3,
+            "num_alloc_retries": self.retries,
             "num_ooms": 1,
-            "allocated_bytes": stat(self.allocated, peak=self.allocated + GiB),
+            "allocated_bytes": stat(self.allocated, peak=self.peak),
             "reserved_bytes": stat(self.reserved),
             "active_bytes": stat(self.allocated + MiB),
             "inactive_split_bytes": stat(5 * MiB),
@@ -122,6 +130,81 @@ def test_fit_reads_the_allocator_without_memory_stats(gpu, monkeypatch, hub):
     on_the_stand_in(monkeypatch)
     result = train()  # the stand-in raises if a step reads memory_stats()/memory_allocated()/memory_reserved()
     assert result.steps == 2 and hub.latest().memory.reserved == gpu.reserved
+
+
+class Clock:
+    """time.monotonic() for the probe: each step of `stepping` takes `step_s`, and runs `each(n)` first."""
+
+    def __init__(self, monkeypatch, step_s: float) -> None:
+        self.now, self.step_s = 1000.0, step_s
+        monkeypatch.setattr(cuda, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def stepping(self, each):
+        steps = [0]
+
+        def step(model, batch):
+            steps[0] += 1
+            each(steps[0])
+            self.now += self.step_s
+            return conv_step(model, batch)
+
+        return step
+
+
+def fit_on_the_clock(step, steps: int):
+    model = ConvNet()
+    return gputui.fit(model, conv_batches(steps, 8), step, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_fast_steps_read_the_allocator_a_few_times_a_second_and_lose_no_peak(gpu, monkeypatch, hub):
+    """Steps of 40 ms: a reading after every third (STEP_READ_S, 0.1 s), the steps between published
+    with the last one; the peak is reset only after a reading, so a spike between two readings is in
+    the next one, not lost."""
+    on_the_stand_in(monkeypatch)
+    clock = Clock(monkeypatch, 0.04)
+
+    def spike_in_step_5(n):
+        if n == 5:
+            gpu.peak = max(gpu.peak, 9 * GiB)
+
+    result = fit_on_the_clock(clock.stepping(spike_in_step_5), 9)
+    assert result.steps == 9
+    peaks = [s.memory.peak // GiB for s in hub.samples()]
+    assert peaks == [2, 2, 2, 2, 2, 2, 9, 9, 9]  # read after steps 1, 4 and 7: the spike of step 5 at 7
+    assert gpu.calls.count("reset_peak") == 4  # before step 1, then after each reading (steps 2, 5 and 8)
+
+
+def test_a_cache_freed_is_read_after_the_next_step(gpu, monkeypatch, hub):
+    """The cache freed (a key) is shown after the next step, however short the time since the last reading."""
+    on_the_stand_in(monkeypatch)
+    clock = Clock(monkeypatch, 0.001)
+
+    def free_at_3(n):
+        if n == 3:
+            hub.controls.request("free_cache")
+
+    fit_on_the_clock(clock.stepping(free_at_3), 6)
+    reserved = [s.memory.reserved for s in hub.samples()]
+    assert reserved == [3 * GiB] * 3 + [2 * GiB] * 3  # freed at the boundary after step 3, read after step 4
+
+
+@pytest.mark.parametrize(("every", "thrashing"), [(1, True), (3, False)], ids=["each-step", "every-third-step"])
+def test_thrashing_is_a_retry_every_step_between_readings_too(gpu, monkeypatch, hub, every, thrashing):
+    """Read after every third step, the allocator's retries count as thrashing only where they grew
+    by one a step, as when every step is read: one retry every third step is not."""
+    on_the_stand_in(monkeypatch)
+    clock = Clock(monkeypatch, 0.04)
+
+    def retry(n):
+        if n % every == 0:
+            gpu.retries += 1
+
+    result = fit_on_the_clock(clock.stepping(retry), 6)
+    halved = [(e.step, e["micro_batch"], e["micro_batch_to"]) for e in result.events if e.name == "thrashing"]
+    assert halved == ([(4, 8, 4)] if thrashing else [])
 
 
 # -- the capacity: what this process can have ----------------------------------------------------
