@@ -45,11 +45,36 @@ def _nothing(real: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *args, **kwargs: None
 
 
+def _copy_only(real: Callable[..., Any]) -> Callable[..., Any]:
+    """The loss copied to the host with no event recorded after it (and none asked: read at once, whatever
+    has landed): what the copy costs against its event."""
+
+    def start(copy: Any, loss: torch.Tensor) -> None:
+        copy.host.copy_(loss.reshape(()), non_blocking=True)
+
+    return start
+
+
+def _host_generators_only(real: Callable[..., Any]) -> Callable[..., Any]:
+    """The generators saved but the device's (torch's CPU one, Python's and NumPy's still)."""
+
+    def start(generators: Any) -> None:
+        generators._kind = "host"  # no "cuda": its state is not saved
+        real(generators)
+
+    return start
+
+
 PARTS: dict[str, list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]] = {
     "memory read": [(cuda.CudaProbe, "read", _first_reading)],
     "peak reset": [(cuda.CudaProbe, "start_step", _nothing)],
     "loss copy": [(deferred.DeferredLoss, "put", lambda real: lambda self, value, then=None: self.latest)],
+    "loss event": [
+        (deferred.CudaCopy, "start", _copy_only),
+        (deferred.CudaCopy, "done", lambda real: lambda self: True),
+    ],
     "generators": [(oom.Generators, "start", _nothing), (oom.Generators, "end", _nothing)],
+    "device generator": [(oom.Generators, "start", _host_generators_only)],
 }
 """Each per-step part of fit on CUDA: (owner, method, the stand-in made from the real method) for the
 variant that trains without it. On a CPU the probe's parts are not called: those variants are fit as is."""
@@ -69,7 +94,11 @@ def without(parts: list[str]) -> Iterator[None]:
 
 
 WORKLOADS = {"mlp-b832": ("mlp", 832), "gpt": ("gpt", None)}
-VARIANTS = {"fit": [], **{f"without {part}": [part] for part in PARTS}, "without all": list(PARTS)}
+VARIANTS = {
+    "fit": [],
+    **{f"without {part}": [part] for part in PARTS},
+    "without all": ["memory read", "peak reset", "loss copy", "generators"],
+}
 
 
 def measure(name: str, device: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -97,7 +126,7 @@ def measure(name: str, device: str, rounds: int, steps: int, warmup: int) -> dic
 def run(quick: bool, device: str) -> dict[str, Any]:
     device = harness.device_of(device)
     torch.set_num_threads(1)
-    rounds, steps, warmup = (1, 30, 5) if quick else (3, 300, 20)
+    rounds, steps, warmup = (1, 30, 5) if quick else (3, 200, 20)
     out: dict[str, Any] = {"device": device, "threads": 1, "rounds": rounds, "steps": steps, "workloads": {}}
     for name in WORKLOADS:
         n = steps if name != "gpt" else max(steps // 5, 20)  # a GPT step is ~3x the MLP's
