@@ -260,7 +260,7 @@ class Core:
             checkpointing=self.checkpointing.enabled,
             ranks=self.strategy.ranks,
             grad_norm=state.grad_norm,
-            exact=self.planning.planner is not None,
+            exact=self.planning.planner is not None or self.group is not None,  # the ranks halve on each step's peak
         )
         loss = state.loss
         if loss is not None and not math.isfinite(loss) and not self._warned_loss:

@@ -42,7 +42,9 @@ class Recovery:
         self.session, self.state, self.boundary, self.planning = session, state, boundary, planning
         self.shared = shared
         self.thrashing = False  # this rank's allocator thrashed since its last exchange (torchrun)
-        self._retries = (0, 0, 0)  # alloc retries at the last reading, steps in a row they grew, the step then
+        self._retries: tuple[int, int, int, int] | None = None
+        """At the last reading: the allocator's retries, readings in a row they grew, the steps those
+        span, the step."""
 
     def no_budget_left(self) -> str | None:
         """Why no batch can fit before the first: the parameters and optimizer state pass the budget."""
@@ -179,27 +181,32 @@ class Recovery:
     def watch_thrashing(self, retries: int, step: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
         is the slow road to an OOM; with auto-recover on, halve the micro-batch before it comes
-        (under torchrun, said at the exchange, where every rank halves). `retries` is read after `step`,
-        a few steps after the last reading on CUDA (probes/cuda.py): they count as retrying steps only
-        where the count grew by at least one a step."""
-        last, streak, at = self._retries
-        steps = max(1, step - at)
-        streak = streak + steps if retries - last >= steps else 0
-        self._retries = (retries, streak, step)
-        if streak < THRASHING_STEPS:
+        (under torchrun, said at the exchange, where every rank halves). `retries` is read after `step`:
+        after every step, or on CUDA a few times a second (probes/cuda.py). Thrashing is retries grown
+        in THRASHING_STEPS readings in a row, by at least one every two steps since the reading before
+        (read every step: a retry in each of THRASHING_STEPS steps)."""
+        last = self._retries
+        if last is None:  # the run's first reading: nothing to compare it with
+            self._retries = (retries, 0, 0, step)
             return
+        before, readings, steps, at = last
+        grew = 2 * (retries - before) >= max(1, step - at) and retries > before
+        readings, steps = (readings + 1, steps + step - at) if grew else (0, 0)
+        self._retries = (retries, readings, steps, step)
+        if readings < THRASHING_STEPS:
+            return
+        self._retries = (retries, 0, 0, step)
         if self.shared:
-            self.thrashing, self._retries = True, (retries, 0, step)
+            self.thrashing = True
             return
         state = self.state
         current = state.micro_batch_now()
         if state.auto_recover and state.sizing.can_halve(current):
             state.micro_batch = state.sizing.halved(current)
-            self._retries = (retries, 0, step)
             self.session.emit(
                 "thrashing",
                 alloc_retries=retries,
-                steps=streak,
+                steps=steps,
                 micro_batch=current,
                 micro_batch_to=state.micro_batch,
                 accumulation=state.accumulation_at(state.micro_batch),

@@ -191,20 +191,31 @@ def test_a_cache_freed_is_read_after_the_next_step(gpu, monkeypatch, hub):
     assert reserved == [3 * GiB] * 3 + [2 * GiB] * 3  # freed at the boundary after step 3, read after step 4
 
 
-@pytest.mark.parametrize(("every", "thrashing"), [(1, True), (3, False)], ids=["each-step", "every-third-step"])
-def test_thrashing_is_a_retry_every_step_between_readings_too(gpu, monkeypatch, hub, every, thrashing):
-    """Read after every third step, the allocator's retries count as thrashing only where they grew
-    by one a step, as when every step is read: one retry every third step is not."""
+@pytest.mark.parametrize(
+    ("retried", "halved_at"),
+    [
+        (lambda n: 1, 10),  # a retry every step
+        (lambda n: n % 10 != 0, 10),  # in 9 steps of 10
+        (lambda n: 3 * (n == 2), None),  # 3 in one step, then none
+        (lambda n: n % 3 == 0, None),  # one step in 3
+    ],
+    ids=["every-step", "nine-in-ten", "one-burst", "every-third-step"],
+)
+def test_thrashing_is_retries_growing_in_readings_in_a_row_by_one_every_two_steps(
+    gpu, monkeypatch, hub, retried, halved_at
+):
+    """Read after every third step (40 ms steps): thrashing is the allocator's retries grown in 3 readings
+    in a row (after steps 4, 7 and 10; the first, after step 1, has none to compare with), by one every
+    two steps at least: as a retry in each of 3 steps when every step is read."""
     on_the_stand_in(monkeypatch)
     clock = Clock(monkeypatch, 0.04)
 
     def retry(n):
-        if n % every == 0:
-            gpu.retries += 1
+        gpu.retries += int(retried(n))
 
-    result = fit_on_the_clock(clock.stepping(retry), 6)
+    result = fit_on_the_clock(clock.stepping(retry), 12)
     halved = [(e.step, e["micro_batch"], e["micro_batch_to"]) for e in result.events if e.name == "thrashing"]
-    assert halved == ([(4, 8, 4)] if thrashing else [])
+    assert halved[:1] == ([(halved_at, 8, 4)] if halved_at else [])
 
 
 # -- the capacity: what this process can have ----------------------------------------------------

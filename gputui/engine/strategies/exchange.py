@@ -86,7 +86,7 @@ RANK: dict[str, Kind] = {
     "micro_batch": COUNT,  # what the rank runs
     "setting": COUNT,  # its micro-batch setting (0: the whole batch)
     "batch": COUNT,  # its share of the global batch, in samples
-    "peak": BYTES,  # its last step's peak
+    "peak": BYTES,  # its last step's peak (every step is read under torchrun: engine/core.py)
     "capacity": BYTES,
     "loss": FLOAT,  # its last step's loss (its share's)
     "samples_per_s": FLOAT,
