@@ -6,6 +6,7 @@ accumulation, memory, speed; events on lines of their own so they stay in the sc
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -135,6 +136,11 @@ class ProgressLine:
             return
         self._clear()
         self._write(f"gputui: step {event.step} | {describe(event)}\n")
+        if event.name == "oom" and event.get("waiting"):  # auto-recover off, and no screen to answer in
+            pid = os.getpid()
+            self._write(
+                f"gputui: answer it from another terminal: gputui attach {pid} --control, or gputui ctl {pid} ...\n"
+            )
 
     def _last_line(self) -> None:
         """The last step drawn (if the interval held it back), its line ended."""

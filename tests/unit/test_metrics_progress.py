@@ -223,6 +223,23 @@ def test_a_plan_whose_rows_are_still_coming_is_printed_once_whole():
     assert out.getvalue() == "gputui: step 3 | plan: no remedy applies\n"
 
 
+def test_an_oom_waiting_for_an_answer_says_where_to_give_it():
+    """Auto-recover off, no screen: the run waits at the OOM, and the line says how to answer from elsewhere."""
+    from gputui.telemetry.sample import Event
+
+    details = {"phase": "backward", "message": "CUDA out of memory", "micro_batch": 8, "attempt": 1}
+    details |= {"allocated_before": 0, "leaked": 0, "recovered": False, "planning": False}
+    out = io.StringIO()
+    line = ProgressLine(out)
+    line.on_event(Event("oom", 4, {**details, "waiting": True}))
+    said = out.getvalue().splitlines()
+    assert said[0] == "gputui: step 4 | OOM in backward at micro-batch 8: paused, waiting for a remedy"
+    pid = os.getpid()
+    assert said[1] == f"gputui: answer it from another terminal: gputui attach {pid} --control, or gputui ctl {pid} ..."
+    line.on_event(Event("oom", 5, details))
+    assert len(out.getvalue().splitlines()) == 3  # an OOM not waiting has nothing to answer
+
+
 def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_path):
     """What the TUI prints as it closes, in headless's words."""
     hub.start(RunInfo(mode="fit"))
