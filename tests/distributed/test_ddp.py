@@ -53,11 +53,13 @@ def token_model():
     return nn.Sequential(nn.Embedding(20, 8), nn.Tanh(), nn.Linear(8, 20))
 
 
-def token_batches():
+def token_batches(empty_last=False):  # empty_last: each rank's last sample all padding
     g = torch.Generator().manual_seed(3)
     batches = []
     for b in range(3):
         lengths = torch.tensor([7, 1, 2, 6, 1, 1, 2, 1]).roll(b)
+        if empty_last:
+            lengths[3] = lengths[7] = 0
         labels = torch.randint(20, (8, 7), generator=g)
         labels[torch.arange(7) >= lengths[:, None]] = -100
         batches.append({"input_ids": torch.randint(20, (8, 7), generator=g), "labels": labels})
@@ -71,6 +73,13 @@ def token_shard(batch, rank):
 def token_step(model, batch):
     logits = model(batch["input_ids"])
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def masked_step(model, batch):  # the same mean, hand-written: over no tokens it is 0/0, and so is its gradient
+    labels = batch["labels"].flatten()
+    mask = labels != -100
+    losses = nn.functional.cross_entropy(model(batch["input_ids"]).flatten(0, 1), labels.clamp(min=0), reduction="none")
+    return (losses * mask).sum() / mask.sum()
 
 
 def wide_batches():  # 2 global batches of 16: 8 a rank
@@ -95,7 +104,7 @@ SCRIPT = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
 from common import make_model, global_batches, shard, step, token_model, token_batches, token_shard, token_step
-from common import conv_model, count_tokens
+from common import conv_model, count_tokens, masked_step
 import gputui
 from gputui.telemetry import hub as hubs
 from helpers import RequestAt
@@ -235,8 +244,9 @@ for name in sys.argv[3:]:
         session.for_device = real
     elif name.startswith("tokens-"):  # tokens-[fsdp-|samples-]SIZE: token-mean losses over padded sequences
         kind, size = name.split("-")[1:-1], name.split("-")[-1]
-        plain, step = step, token_step
-        run(name, [token_shard(b, rank) for b in token_batches()], make_model=token_model,
+        plain, step = step, masked_step if kind == ["empty"] else token_step
+        batches = token_batches(empty_last=kind == ["empty"])
+        run(name, [token_shard(b, rank) for b in batches], make_model=token_model,
             micro_batch=None if size == "None" else int(size), distributed="fsdp" if kind == ["fsdp"] else "auto",
             items=None if kind == ["samples"] else count_tokens)
         step = plain
@@ -427,7 +437,7 @@ def reference(epochs: int, make: str = "make_model") -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def token_reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+def token_reference(clip: float | None = None, empty_last: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the whole global batch each step, a plain loop: the token mean over all 8 samples;
     with `clip`, its gradient clipped by clip_grad_norm_, and the norms that returned."""
     namespace: dict = {}
@@ -435,7 +445,7 @@ def token_reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor],
     model = namespace["token_model"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = []
-    for batch in namespace["token_batches"]():
+    for batch in namespace["token_batches"](empty_last):
         namespace["token_step"](model, batch).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -447,14 +457,19 @@ def token_reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor],
 def test_token_weighted_micro_batches_equal_one_process(tmp_path):
     """With items=, each rank's pieces are weighted by their tokens over every rank's tokens (the global
     count comes with the step's one exchange): weights equal one process's full-batch token mean at
-    micro-batch None, 2 and 3 (pieces of 3 and 1), under DDP and FSDP2. Weighted by samples, they do not."""
+    micro-batch None, 2 and 3 (pieces of 3 and 1), under DDP and FSDP2, and under DDP where a rank's last
+    piece has no tokens. Weighted by samples, they do not."""
     good = ("tokens-None", "tokens-2", "tokens-3", "tokens-fsdp-2", "tokens-fsdp-3")
-    out = launch(tmp_path, "fit-group", *good, "tokens-samples-2")
+    out = launch(tmp_path, "fit-group", *good, "tokens-samples-2", "tokens-empty-3")
     expected, _ = token_reference()
     for name in good:
         for record, state in zip(records(out, name), weights(out, name), strict=True):
             assert (record["steps"], record.get("error")) == (3, None), (name, record)
             assert_close(state, expected)
+    # DDP, a rank's last piece all padding: its held (synced) backward is on a piece with tokens instead
+    for record, state in zip(records(out, "tokens-empty-3"), weights(out, "tokens-empty-3"), strict=True):
+        assert (record["steps"], record.get("error")) == (3, None), record
+        assert_close(state, token_reference(empty_last=True)[0])
     by_samples = weights(out, "tokens-samples-2")[0]
     assert max(float((by_samples[k] - expected[k]).abs().max()) for k in expected) > 1e-3
     hints = [[e for e in r["events"] if e[0] == "items_hint"] for r in records(out, "tokens-samples-2")]
