@@ -42,18 +42,22 @@ def run_pieces(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Forward each piece, then backward on `loss * weight(n)` (n: the piece's count, of `units`).
     `sync(last)`: the context a piece runs in (DDP's no_sync but for the last, FSDP's gradient sync);
-    `skip_empty`: a piece of no items is not run (its mean over nothing would be NaN), but a held last
-    one (a strategy whose passes are collectives runs it at weight 0); `hold_last`: the last piece is
-    forwarded, not backwarded, and its loss returned (DDP: its synced backward waits for the exchange);
-    `after`: once a piece's backward is done. Returns this rank's mean loss over the pieces run (float32, out
-    of the graph), and the held loss."""
+    `skip_empty`: a piece of no items is not run (its mean over nothing would be NaN); one that runs (a
+    held last one, or any where the strategy's passes are collectives) runs at weight 0 on another piece's
+    data; `hold_last`: the last piece is forwarded, not backwarded, and its loss returned (DDP: its synced
+    backward waits for the exchange); `after`: once a piece's backward is done. Returns this rank's mean
+    loss over the pieces run (float32, out of the graph), and the held loss."""
     at = at if at is not None else Progress()
     last = len(pieces) - 1
     loss_sum = None
     for i, piece in enumerate(pieces):
         n = counts[i]
-        if skip_empty and not n and (i < last or not hold_last):  # a held last piece syncs: it runs
-            continue
+        if not n:
+            if skip_empty and (i < last or not hold_last):  # a held last piece syncs: it runs
+                continue
+            # It runs for its collectives, at weight 0: on a piece with items, since a loss that is a mean
+            # over no items is NaN (0/0), and so would be every gradient, weight 0 or not
+            piece = next((p for p, c in zip(pieces, counts, strict=True) if c), piece)
         with sync(i == last):
             at.phase = "forward"
             loss = forward(piece)
