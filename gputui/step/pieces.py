@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .microbatch import batch_size
+
 _UNSYNCED = nullcontext()
 
 
@@ -55,9 +57,9 @@ def run_pieces(
         if not n:
             if skip_empty and (i < last or not hold_last):  # a held last piece syncs: it runs
                 continue
-            # It runs for its collectives, at weight 0: on a piece with items, since a loss that is a mean
-            # over no items is NaN (0/0), and so would be every gradient, weight 0 or not
-            piece = next((p for p, c in zip(pieces, counts, strict=True) if c), piece)
+            # It runs for its collectives, at weight 0: on the smallest piece with items (no higher a peak than
+            # the pieces'), since a loss that is a mean over no items is NaN (0/0), and so is its gradient
+            piece = min((p for p, c in zip(pieces, counts, strict=True) if c), key=batch_size, default=piece)
         with sync(i == last):
             at.phase = "forward"
             loss = forward(piece)

@@ -28,8 +28,8 @@ class Fsdp(Ddp):
             raise recovery.no_items(everywhere=True)
         total, world = state.batch_size, d.world_size
         # Every rank runs as many passes as the one that needs the most (each all-gathers): a rank
-        # with fewer samples splits its share finer, and one with fewer samples than passes repeats
-        # its last piece at weight 0.
+        # with fewer samples splits its share finer, and one with fewer samples than passes runs the
+        # rest at weight 0 (on its smallest piece with items: step/pieces.py).
         count = self.agreement.passes(state.micro_batch)
         size = -(-total // count)
         runner.start(batch, size)
