@@ -244,12 +244,18 @@ def _torchrun(options: argparse.Namespace) -> int:
         for name in ("metrics", "memory_budget", "gpu_memory_limit", "snapshot_dir")
         if (value := getattr(options, name)) is not None
     ] + (["--memory-history"] if options.memory_history else [])
-    job = TorchrunJob(options.nproc_per_node, ["gputui", "run", "--headless", *flags, options.script, *options.args])
+    try:
+        job = TorchrunJob(
+            options.nproc_per_node, ["gputui", "run", "--headless", *flags, options.script, *options.args]
+        )
+    except ValueError as exc:  # GPUTUI_KILL_AFTER_S
+        print(f"gputui: error: {exc}", file=sys.stderr)
+        return 2
     print(f"gputui: torchrun: {options.nproc_per_node} processes; their output goes to {job.log}", flush=True)
     try:
         pid, path = job.wait_for_rank0()
     except (JobDied, KeyboardInterrupt) as exc:
-        if job.returncode() is None:  # too slow, or Ctrl-C: stop its ranks (killed after KILL_AFTER s)
+        if job.returncode() is None:  # too slow, or Ctrl-C: stop its ranks (killed after job.kill_after s)
             job.stop()
             job.wait()
         if isinstance(exc, JobDied):

@@ -23,9 +23,11 @@ from collections import deque
 import psutil
 
 from .telemetry.paths import socket_path
+from .units import seconds_from_env
 
 KILL_AFTER = 30.0
-"""Seconds a stopped job gets before its processes are killed: torchrun's own grace after a Ctrl-C."""
+"""Seconds a stopped job gets before its processes are killed: torchrun's own grace after a Ctrl-C.
+GPUTUI_KILL_AFTER_S sets another (torchrun still kills its workers 30 s after a Ctrl-C it passes on)."""
 
 START_TIMEOUT = 120.0
 """Seconds torchrun may take to start rank 0 and rank 0 to serve its socket (before its script runs)."""
@@ -46,8 +48,10 @@ class TorchrunJob:
     """One `torchrun --standalone --nproc_per_node=N -m gputui run --headless ...` on this node."""
 
     def __init__(self, nproc: int, command: list[str]) -> None:
-        """`command`: what each rank runs after `python -m` (`gputui run --headless ... SCRIPT ARGS`)."""
+        """`command`: what each rank runs after `python -m` (`gputui run --headless ... SCRIPT ARGS`).
+        ValueError, before anything starts, for a GPUTUI_KILL_AFTER_S that is not a number of seconds."""
         self.nproc = nproc
+        self.kill_after = seconds_from_env("GPUTUI_KILL_AFTER_S", KILL_AFTER)
         fd, self.log = tempfile.mkstemp(prefix="gputui-torchrun-", suffix=".log")
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
         try:
@@ -103,13 +107,13 @@ class TorchrunJob:
 
     def stop(self) -> None:
         """SIGINT to every rank: the first stops each after the same step (and the script goes on to its
-        save), the next one at once; the job is killed KILL_AFTER s after the first."""
+        save), the next one at once; the job is killed `kill_after` s after the first."""
         with self._lock:
             self._stops += 1
             first = self._stops == 1
         self._signal(signal.SIGINT)
         if first:
-            timer = threading.Timer(KILL_AFTER, self.kill)
+            timer = threading.Timer(self.kill_after, self.kill)
             timer.daemon = True
             timer.start()
 

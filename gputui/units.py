@@ -7,6 +7,8 @@ Pure Python so the CLI can validate `--memory-budget` before torch is imported.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import time
 
@@ -48,6 +50,21 @@ def parse_size(value: int | float | str) -> int:
     if size <= 0:
         raise ValueError(f"a size must be positive, got {value!r}")
     return size
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """Environment variable `name` as a positive number of seconds (`default` where unset or empty);
+    ValueError, naming it, for anything else."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def format_bytes(n: int | float | None, *, missing: str = "n/a") -> str:

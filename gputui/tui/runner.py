@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from ..launch import detach_from_terminal
 from ..telemetry.client import Mirror
 from ..telemetry.output import OutputLog
-from ..torchrun import KILL_AFTER, TorchrunJob
+from ..torchrun import TorchrunJob
 from .app import GputuiApp
 from .local import STOPS
 from .remote import RemoteSource
@@ -140,7 +140,7 @@ def torchrun_tui(job: TorchrunJob, pid: int, path: str, *, script: str, refresh:
     """The TUI attached to rank 0 (`pid`, its socket `path`) of `job`, with control: the keys act on
     every rank through the exchange. The job's end is the app's "script" ending: q or Ctrl-C stop every
     rank after the same step and the app leaves when torchrun has ended; a second one stops them at
-    once; the job is killed KILL_AFTER s after the first stop. A hang-up leaves the job running, as
+    once; the job is killed `job.kill_after` s after the first stop. A hang-up leaves the job running, as
     `gputui run` leaves its script: the app closes and this process exits with torchrun's code."""
     mirror = Mirror(path, pid, control=True).start()
     hung_up: list[bool] = []
@@ -176,7 +176,7 @@ def torchrun_tui(job: TorchrunJob, pid: int, path: str, *, script: str, refresh:
         signal.signal(sig, lambda signum, frame: job.stop())
     if job.returncode() is None:  # q again after a stop (then at once), or the app failed (then after the step)
         job.stop()
-        sys.stderr.write(f"gputui: stopping the torchrun job (killed after {KILL_AFTER:g} s)\n")
+        sys.stderr.write(f"gputui: stopping the torchrun job (killed after {job.kill_after:g} s)\n")
         job.wait()
     if app.return_code:
         sys.stderr.write(

@@ -132,7 +132,9 @@ def test_q_while_a_rank_is_stalled_ends_the_job_with_the_rank_named_and_the_save
     """Rank 1 stops answering (SIGSTOP): rank 0's screen says it waits for rank 1; q (confirmed) ends
     rank 0's wait at once with a FitError naming rank 1, after which its script's save runs; the job
     ends, bounded (the stopped rank is killed after the TUI's grace)."""
-    run = launch(processes, env | {"STALL": "1", "GPUTUI_RANK_WAITING_S": "1"}, tmp_path, ())
+    run = launch(
+        processes, env | {"STALL": "1", "GPUTUI_RANK_WAITING_S": "1", "GPUTUI_KILL_AFTER_S": "3"}, tmp_path, ()
+    )
     run.wait_shown("waiting for rank 1 since step 4", timeout=120)
     ranks = [int(p.name.split(".")[0]) for p in (tmp_path / "run" / "gputui").glob("*.sock")]
     processes.adopt(*ranks)

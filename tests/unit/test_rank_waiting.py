@@ -190,10 +190,18 @@ def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
-def test_the_waiting_threshold_is_a_positive_number(monkeypatch, value):
+def test_the_waiting_threshold_and_the_kill_delay_are_positive_numbers(monkeypatch, value):
+    from gputui.torchrun import TorchrunJob
+
     monkeypatch.setenv("GPUTUI_RANK_WAITING_S", value)
     with pytest.raises(ValueError, match="GPUTUI_RANK_WAITING_S must be a positive number of seconds"):
         waiting.waiting_threshold()
+    monkeypatch.setenv("GPUTUI_KILL_AFTER_S", value)
+    with pytest.raises(ValueError, match="GPUTUI_KILL_AFTER_S must be a positive number of seconds"):
+        TorchrunJob(2, ["gputui", "run", "--headless", "train.py"])  # refused before torchrun starts
+    monkeypatch.setenv("GPUTUI_KILL_AFTER_S", "2.5")
+    monkeypatch.setattr("subprocess.Popen", lambda *args, **kwargs: None)
+    assert TorchrunJob(2, ["gputui", "run", "--headless", "train.py"]).kill_after == 2.5
 
 
 def test_rank_timeout_is_a_positive_number():

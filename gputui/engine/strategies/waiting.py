@@ -5,14 +5,13 @@ after the run's `rank_timeout` instead of the transport's own (gloo's is 30 minu
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ...units import seconds_from_env
 from ..result import FitError
 from .group import abandon, lost_ranks, store
 
@@ -39,16 +38,7 @@ _SLICE_ENDED = "Operation timed out!"  # Work.wait(timeout)'s word for a slice o
 
 def waiting_threshold() -> float:
     """The threshold of a `rank_waiting`, in seconds."""
-    value = os.environ.get("GPUTUI_RANK_WAITING_S")
-    if not value:
-        return WAITING_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"GPUTUI_RANK_WAITING_S must be a positive number of seconds, got {value!r}")
-    return seconds
+    return seconds_from_env("GPUTUI_RANK_WAITING_S", WAITING_S)
 
 
 class Roll:
