@@ -263,7 +263,8 @@ class Core:
             exact=self.planning.planner is not None or self.group is not None,  # the ranks halve on each step's peak
         )
         loss = state.loss
-        if loss is not None and not math.isfinite(loss) and not self._warned_loss:
+        nothing = self.group is not None and not state.units  # a rank whose share had no items: its loss means nothing
+        if loss is not None and not math.isfinite(loss) and not self._warned_loss and not nothing:
             self._warned_loss = True
             self.session.emit("loss_not_finite", loss=str(loss))
         if memory is None:  # no new reading after this step: the last one stands

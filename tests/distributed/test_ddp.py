@@ -53,13 +53,15 @@ def token_model():
     return nn.Sequential(nn.Embedding(20, 8), nn.Tanh(), nn.Linear(8, 20))
 
 
-def token_batches(empty_last=False):  # empty_last: each rank's last two samples all padding
+def token_batches(empty=None):  # "last": each rank's last two samples all padding; "rank1": its whole share
     g = torch.Generator().manual_seed(3)
     batches = []
     for b in range(3):
         lengths = torch.tensor([7, 1, 2, 6, 1, 1, 2, 1]).roll(b)
-        if empty_last:
+        if empty == "last":
             lengths[2:4] = lengths[6:8] = 0
+        elif empty == "rank1":
+            lengths[4:] = 0
         labels = torch.randint(20, (8, 7), generator=g)
         labels[torch.arange(7) >= lengths[:, None]] = -100
         batches.append({"input_ids": torch.randint(20, (8, 7), generator=g), "labels": labels})
@@ -245,7 +247,7 @@ for name in sys.argv[3:]:
     elif name.startswith("tokens-"):  # tokens-[fsdp-|samples-]SIZE: token-mean losses over padded sequences
         kind, size = name.split("-")[1:-1], name.split("-")[-1]
         plain, step = step, masked_step if "empty" in kind else token_step
-        batches = token_batches(empty_last="empty" in kind)
+        batches = token_batches(empty="last" if "empty" in kind else "rank1" if "rank1" in kind else None)
         run(name, [token_shard(b, rank) for b in batches], make_model=token_model,
             micro_batch=None if size == "None" else int(size), distributed="fsdp" if "fsdp" in kind else "auto",
             items=None if kind == ["samples"] else count_tokens)
@@ -437,7 +439,7 @@ def reference(epochs: int, make: str = "make_model") -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def token_reference(clip: float | None = None, empty_last: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+def token_reference(clip: float | None = None, empty: str | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the whole global batch each step, a plain loop: the token mean over all 8 samples;
     with `clip`, its gradient clipped by clip_grad_norm_, and the norms that returned."""
     namespace: dict = {}
@@ -445,7 +447,7 @@ def token_reference(clip: float | None = None, empty_last: bool = False) -> tupl
     model = namespace["token_model"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = []
-    for batch in namespace["token_batches"](empty_last):
+    for batch in namespace["token_batches"](empty):
         namespace["token_step"](model, batch).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -460,7 +462,8 @@ def test_token_weighted_micro_batches_equal_one_process(tmp_path):
     micro-batch None, 2 and 3 (pieces of 3 and 1), under DDP and FSDP2, also where a rank's last piece has
     no tokens. Weighted by samples, they do not."""
     good = ("tokens-None", "tokens-2", "tokens-3", "tokens-fsdp-2", "tokens-fsdp-3")
-    out = launch(tmp_path, "fit-group", *good, "tokens-samples-2", "tokens-empty-3", "tokens-fsdp-empty-3")
+    empties = ("tokens-empty-3", "tokens-fsdp-empty-3", "tokens-rank1-3")
+    out = launch(tmp_path, "fit-group", *good, "tokens-samples-2", *empties)
     expected, _ = token_reference()
     for name in good:
         for record, state in zip(records(out, name), weights(out, name), strict=True):
@@ -472,7 +475,13 @@ def test_token_weighted_micro_batches_equal_one_process(tmp_path):
     for name in ("tokens-empty-3", "tokens-fsdp-empty-3"):
         for record, state in zip(records(out, name), weights(out, name), strict=True):
             assert (record["steps"], record.get("error")) == (3, None), (name, record)
-            assert_close(state, token_reference(empty_last=True)[0])
+            assert_close(state, token_reference(empty="last")[0])
+    # Rank 1's whole share padding (cross_entropy's ignore_index: its gradient is 0, not NaN): the weights
+    # are rank 0's tokens' mean, and rank 1, whose loss is a mean over nothing, is not told it is not finite
+    for record, state in zip(records(out, "tokens-rank1-3"), weights(out, "tokens-rank1-3"), strict=True):
+        assert (record["steps"], record.get("error")) == (3, None), record
+        assert "loss_not_finite" not in [e[0] for e in record["events"]], record["events"]
+        assert_close(state, token_reference(empty="rank1")[0])
     by_samples = weights(out, "tokens-samples-2")[0]
     assert max(float((by_samples[k] - expected[k]).abs().max()) for k in expected) > 1e-3
     hints = [[e for e in r["events"] if e[0] == "items_hint"] for r in records(out, "tokens-samples-2")]
