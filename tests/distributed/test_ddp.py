@@ -470,8 +470,8 @@ def test_token_weighted_micro_batches_equal_one_process(tmp_path):
             assert (record["steps"], record.get("error")) == (3, None), (name, record)
             assert_close(state, expected)
     # A rank's last piece all padding (DDP's of 1 sample, FSDP2's of 2: it makes passes of equal size), its
-    # loss a hand-written masked mean (0/0 over no tokens): under DDP its held (synced) backward is on a piece
-    # with tokens instead; under FSDP2 it runs on one at weight 0
+    # loss a hand-written masked mean (0/0 over no tokens): it must run (DDP's last backward syncs, FSDP2's
+    # passes are collectives), and runs at weight 0 on a piece with tokens
     for name in ("tokens-empty-3", "tokens-fsdp-empty-3"):
         for record, state in zip(records(out, name), weights(out, name), strict=True):
             assert (record["steps"], record.get("error")) == (3, None), (name, record)

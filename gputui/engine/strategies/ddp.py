@@ -223,10 +223,6 @@ class Ddp(Rank):
         try:
             counts, state.units = runner.counts(pieces, size)  # weighted by this rank's share until the exchange
             units = state.units
-            if (
-                not counts[-1] and units
-            ):  # the held piece runs at weight 0, but a mean over no items is nan: one with items goes last
-                pieces, counts = _with_items_last(pieces, counts)
             # A quiet step's pieces are weighted for the global batch the last exchange said (its buckets
             # summed); otherwise for this rank's share, rescaled once the exchange says the global batch.
             total = self._assumed.items if quiet and self._assumed is not None else units
@@ -351,11 +347,3 @@ class Ddp(Rank):
         finally:
             if tracker is not None:
                 tracker.budget = budget
-
-
-def _with_items_last(pieces: list[Any], counts: list[int]) -> tuple[list[Any], list[int]]:
-    """The pieces in another order (the sum of their weighted gradients is the same), the last with items
-    last of all: the synced backward every rank makes is on it."""
-    last = max(i for i, n in enumerate(counts) if n)
-    order = [i for i in range(len(pieces)) if i != last] + [last]
-    return [pieces[i] for i in order], [counts[i] for i in order]
