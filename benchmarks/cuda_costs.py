@@ -1,6 +1,7 @@
-"""What reading the CUDA allocator and NVML costs a step, and what recording the allocator's history
-costs: the calls gputui makes at every step (memory_stats() and the probe's read, the deferred
-loss's event) and beside it (NVML on its poller thread, a snapshot at an OOM).
+"""What reading the CUDA allocator and NVML costs, and what recording the allocator's history costs:
+the calls gputui makes after steps (the probe's read, a few times a second; memory_stats(), which it
+avoids; the deferred loss's event, every step) and beside them (NVML on its poller thread, a snapshot
+at an OOM). What they add to a step in place: benchmarks/fit_cost.py.
 
     python benchmarks/cuda_costs.py --device cuda --json OUT
 
