@@ -269,7 +269,6 @@ class Core:
             self.session.emit("loss_not_finite", loss=str(loss))
         if memory is None:  # no new reading after this step: the last one stands
             return
-        state.memory = memory
         state.baseline = memory.allocated or 0
         if memory.alloc_retries is not None:  # a caching allocator's count (CUDA)
             self.recovery.watch_thrashing(memory.alloc_retries, self.session.steps)

@@ -125,8 +125,8 @@ class PlanningHook:
         """The plan control: answered at this boundary, once the batch is known."""
         fresh = self.planner is None
         planner = self.get()
-        if fresh and self.state.memory is not None:
-            self.measured(self.state.memory)  # the table says what the last step measured
+        if fresh and self.session.memory is not None:
+            self.measured(self.session.memory)  # the table says what the last step measured
         planner.ask("asked", control)
         return True
 

@@ -122,7 +122,9 @@ class RunSession:
                 tracker.close()
             raise
         self.tracker = tracker
-        self._memory: Memory | None = None  # the probe's last reading after a step
+        self.memory: Memory | None = None
+        """The probe's last reading after a step (the steps since carry it): its peak goes into the next
+        exchange and the planner's calibration."""
         reason = snapshot.unavailable(device)
         self.memory_history = self._history_asked and reason is None
         if self.memory_history:
@@ -289,7 +291,7 @@ class RunSession:
         steps, samples = self.steps, self.samples
         steps_per_s, samples_per_s = self._rate.add(now, steps, samples)
         reading = self.probe.read() if exact else self.probe.step_reading()
-        memory = self._memory = reading or self._memory
+        memory = self.memory = reading or self.memory
         assert memory is not None  # a probe's first step_reading reads
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now

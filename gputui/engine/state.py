@@ -9,7 +9,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from ..step.sizing import Sizing
-from ..telemetry.sample import Memory
 from .deferred import DeferredLoss
 from .session import RunSession
 
@@ -41,8 +40,6 @@ class RunState:
     skipped_steps: int = 0
     """fp16 steps the GradScaler skipped (an inf or nan gradient), counted as their norms are read."""
     stop_reason: str | None = None
-    memory: Memory | None = None
-    """The last step's reading: its peak goes into the next exchange and the planner's calibration."""
     baseline: int = 0
     """Allocated between steps: where memory must return to after an OOM."""
     shapes: Hashable = None

@@ -213,7 +213,7 @@ class Rank:
         `verdict`: its own, the marked element's share, rank 0's proposed exchange interval)."""
         state, recovery = self.state, self.recovery
         self._signalled = signalled = self.boundary.signalled()
-        memory, latest = state.memory, self.hub.latest()
+        memory, latest = self.session.memory, self.hub.latest()
         self.agreement.start(
             items=state.units if here else None,
             has_next=has_next,
