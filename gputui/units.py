@@ -1,6 +1,7 @@
 """Byte sizes as people write them ("512MiB", "1.5GB", "8g"), and every figure as gputui prints it:
 bytes, durations, counts, readings with their unit. One module, so the progress line, the TUI and
-`gputui watch` write the same figure the same way.
+`gputui watch` write the same figure the same way; and seconds read from the environment
+(`GPUTUI_*_S`), checked one way.
 
 Pure Python so the CLI can validate `--memory-budget` before torch is imported.
 """
