@@ -1,8 +1,11 @@
 import textwrap
 import time
+from functools import partial
 
 import pytest
+import textual.app as textual_app
 from rich.console import Group
+from textual import _wait, pilot
 
 from gputui.launch import run_script
 from gputui.tui.app import GputuiApp
@@ -43,8 +46,23 @@ print("saved after", result.steps, "steps")
 """
 
 
+IDLE_WAIT_S = 0.02
+"""The longest pilot waits for the process to go idle after a key, a click or a pause()."""
+
+
 def make_script(*, batch=16, batches=3000, delay=0.01, fail="", extra=""):
     return textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail, extra=extra))
+
+
+@pytest.fixture(autouse=True)
+def short_idle_waits(monkeypatch):
+    """Pilot's press() (twice a key), click() and pause() wait with textual's wait_for_idle() until the
+    process's CPU time stops advancing, for a second at most. An app whose training thread trains never
+    goes idle, so each wait was that whole second (most of the TUI tests' time). The tests wait for what
+    they check with until(); pilot keeps its wait for the app's message queues to drain (_wait_for_screen)."""
+    short = partial(_wait.wait_for_idle, max_sleep=IDLE_WAIT_S)
+    for module in (textual_app, pilot):  # each imported it by name
+        monkeypatch.setattr(module, "wait_for_idle", short)
 
 
 @pytest.fixture
