@@ -100,7 +100,7 @@ async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
         assert hub.latest().step == step
         await pilot.press("p")
         await until(pilot, lambda: hub.latest().step > step)
-        assert "│ training" in text(app, "#header")
+        await until(pilot, lambda: "│ training" in text(app, "#header"))  # at the screen's next refresh
 
 
 async def test_dimmed_key_does_nothing_and_says_why(make_app, hub):

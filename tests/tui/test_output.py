@@ -86,11 +86,11 @@ async def test_log_screen_says_so_when_nothing_was_printed(hub):
         await pilot.press("l")
         assert isinstance(app.screen, LogScreen)
         note = app.screen.query_one("#output-current", Static)
-        assert note.display and "printed nothing yet" in str(note.render())
+        await until(pilot, lambda: "printed nothing yet" in str(note.render()))  # once the screen is laid out
+        assert note.display
         app.output.write("hello\n")
         app.screen.update()
-        await pilot.pause()
-        assert not note.display
+        await until(pilot, lambda: not note.display)
 
 
 async def test_log_screen_shows_the_output_of_a_run_that_has_ended(hub):
@@ -98,8 +98,8 @@ async def test_log_screen_shows_the_output_of_a_run_that_has_ended(hub):
     app.output.write("saved the model after step 200\n")
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("l")
-        await pilot.pause()
         log = app.screen.query_one(RichLog)
+        await until(pilot, lambda: log.lines)  # written once the log knows its width
         assert [line.text for line in log.lines] == ["saved the model after step 200"]
 
 
