@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,14 +46,25 @@ from .session import RunSession
 from .state import RunState
 from .strategies.single import Single
 
+if TYPE_CHECKING:  # imported where a run is distributed
+    from .strategies.exchange import Agreement
+    from .strategies.wrapper import Distributed
+
 
 def _ANOTHER() -> bool:
     return True
 
 
-def _check_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """An optimizer made for another model (the model rebuilt or reloaded after it) would step nothing
-    of this one, and its gradients would pile up: said before the run, not found after it."""
+def _check_arguments(model: Any, step: Any, optimizer: Any) -> None:
+    """fit's three arguments, each of its kind. An optimizer made for another model (the model rebuilt or
+    reloaded after it) would step nothing of this one, and its gradients would pile up: said before the
+    run, not found after it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(step):
+        raise TypeError("step must be a function step(model, batch) -> loss")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if trainable and not trainable & held:
@@ -61,6 +72,31 @@ def _check_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
             f"the optimizer holds none of the model's {len(trainable)} trainable parameters: make it after the "
             "model, from its parameters (torch.optim.AdamW(model.parameters())), or after the model is rebuilt"
         )
+
+
+def _group(
+    model: nn.Module,
+    device: torch.device,
+    data: Any,
+    checkpointing: Checkpointing,
+    optimizer: torch.optim.Optimizer,
+    o: FitOptions,
+) -> tuple[Distributed, Agreement]:
+    """Under torchrun: the process group the model is wrapped (DDP) or sharded (FSDP2) in, and the
+    ranks' agreement on each step's exchange."""
+    from .strategies.exchange import Agreement
+    from .strategies.wrapper import Distributed
+
+    group = Distributed(
+        model,
+        device,
+        data,
+        shard=o.distributed == "fsdp",
+        blocks=checkpointing.blocks,
+        optimizer=optimizer,
+        rank_timeout=o.rank_timeout,
+    )
+    return group, Agreement(group.rank, group.world_size, group.exchange_group)
 
 
 class Core:
@@ -72,13 +108,7 @@ class Core:
         o: FitOptions,
         data: Any = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(step):
-            raise TypeError("step must be a function step(model, batch) -> loss")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _check_holds(optimizer, model)
+        _check_arguments(model, step, optimizer)
         hub = for_process(sys.stdout)  # the installed hub; under plain `python script.py`, one of its own
         self.hub = hub
         shared = is_shared(o.distributed, model)
@@ -96,22 +126,8 @@ class Core:
         if o.checkpointing and reason:
             raise ValueError(f"checkpointing=True, but {reason}")
         model.to(device)
-        group = agreement = None
-        if shared:
-            from .strategies.exchange import Agreement
-            from .strategies.wrapper import Distributed
-
-            shard = o.distributed == "fsdp"
-            group = Distributed(
-                model,
-                device,
-                data,
-                shard=shard,
-                blocks=checkpointing.blocks,
-                optimizer=optimizer,
-                rank_timeout=o.rank_timeout,
-            )
-            agreement = Agreement(group.rank, group.world_size, group.exchange_group)
+        group, agreement = _group(model, device, data, checkpointing, optimizer, o) if shared else (None, None)
+        if group is not None:
             model = group.model
         self.user_model = model  # the script's, whatever wraps it: what a setting carried over belongs to
         self.model, self.group = model, group

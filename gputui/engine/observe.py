@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils.data.dataloader as dataloader_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..probes.cpu import StateTracker, hidden_from_dynamo, unpack
@@ -29,6 +28,7 @@ from .deferred import DeferredLoss
 from .diagnosis import remedies, user_frame
 from .fetched import Fetched
 from .oom import is_oom
+from .patches import patches
 from .session import RunSession
 
 NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
@@ -51,7 +51,7 @@ class Observer:
         self.amp = "off"
         self._losses: list[torch.Tensor] = []
         self._reader: tuple[str, DeferredLoss] | None = None  # the losses' device type, their reader
-        self._unscaled: dict[int, torch.Tensor] = {}
+        self.unscaled: dict[int, torch.Tensor] = {}
         self._printed: tuple[float, str] | None = None
         self.batches = Fetched()
         self._backwards = 0
@@ -65,86 +65,18 @@ class Observer:
     def tracker(self) -> StateTracker | None:
         return self.session.tracker if self.session is not None else None
 
-    # -- a hub sink: tells when gputui.fit takes over ----------------------------------------------
     # -- installing: every patch is undone on exit ----------------------------------------------
     @contextlib.contextmanager
     def installed(self) -> Iterator[Observer]:
         """Hooks on while the script runs, in the thread that runs it (saved-tensor hooks are per thread)."""
-        original_backward = torch.autograd.backward
-        original_init = torch.optim.Optimizer.__init__
-        original_next = dataloader_module._BaseDataLoaderIter.__next__
-        original_scale = torch.amp.GradScaler.scale
-        original_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
-        original_compile = torch.compile
-        observer = self
-
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not observer.fitting:
-                observer._note_backward(tensors)
-                observer.batches.consume()
-            observer.phase, observer.failed_in = "backward", None
-            try:
-                return original_backward(tensors, *args, **kwargs)
-            except BaseException:
-                observer.failed_in = "backward"  # for the diagnosis, if this ends the script
-                raise
-            finally:
-                observer.phase = None
-                if observer.tracker is not None and not observer.fitting:
-                    observer.tracker.end_micro_batch()
-
-        def init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-            original_init(optimizer, *args, **kwargs)
-            if observer.optimizer is None and not observer.fitting:
-                observer._found_optimizer(optimizer)
-
-        def next_batch(iterator: Any) -> Any:
-            try:
-                batch = original_next(iterator)
-            except StopIteration:
-                if not observer.fitting:
-                    observer.batches.exhausted(iterator)
-                raise
-            if not observer.fitting:
-                observer.batches.fetched(iterator, batch)
-            return batch
-
-        def zero_grad(original: Any) -> Any:
-            def wrapper(owner: Any, *args: Any, **kwargs: Any) -> Any:
-                result = original(owner, *args, **kwargs)
-                if observer.tracker is not None and not observer.fitting:
-                    observer.tracker.sync_grads()  # set_to_none freed them: stop counting them
-                return result
-
-            return wrapper
-
-        def scale(scaler: Any, outputs: Any) -> Any:
-            scaled = original_scale(scaler, outputs)
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                observer._unscaled[id(scaled)] = outputs.detach()
-            return scaled
-
-        def compile(*args: Any, **kwargs: Any) -> Any:
-            compiled = original_compile(*args, **kwargs)
-            observer._hide_hooks()
-            return compiled
-
         hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        patches = [
-            (torch.autograd, "backward", backward),
-            (torch.optim.Optimizer, "__init__", init),
-            (dataloader_module._BaseDataLoaderIter, "__next__", next_batch),
-            (torch.amp.GradScaler, "scale", scale),
-            (torch.optim.Optimizer, "zero_grad", zero_grad(original_zero[0])),
-            (torch.nn.Module, "zero_grad", zero_grad(original_zero[1])),
-            (torch, "compile", compile),
-        ]
-        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-        for owner, name, patched in patches:
-            setattr(owner, name, patched)
+        patched = patches(self)
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+        for owner, name, patch in patched:
+            setattr(owner, name, patch)
         self.hub.add_sink(self.aside)
         self.hooks = hidden_from_dynamo(self._pack), hidden_from_dynamo(unpack)
         try:
@@ -162,7 +94,7 @@ class Observer:
             if self.session is not None:
                 self.session.close()
 
-    def _hide_hooks(self) -> None:
+    def hide_hooks(self) -> None:
         """The script compiled something: from now on dynamo must not trace the saved-tensor hooks
         (probes.cpu.hidden_from_dynamo), so they are swapped in place for hidden ones, if they are
         still the innermost (torch.compile is called at a script's top level, outside any)."""
@@ -187,9 +119,9 @@ class Observer:
             dtype = torch.get_autocast_dtype(device)
             self.amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "off")
 
-    def _note_backward(self, tensors: Any) -> None:
+    def note_backward(self, tensors: Any) -> None:
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            value = self._unscaled.pop(id(tensors), None)
+            value = self.unscaled.pop(id(tensors), None)
             self._losses.append((value if value is not None else tensors).detach())
             self._backwards += 1
 
@@ -200,7 +132,7 @@ class Observer:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]] if self.optimizer else []
 
-    def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer, device = optimizer, parameters_device(optimizer)
         # The command line's settings (the hub's overrides) apply here as they do in fit.
         self.session = RunSession(self.hub, device, tracked=self._params(), optimizer=optimizer, defer_errors=True)
@@ -250,7 +182,7 @@ class Observer:
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
-        self._unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
+        self.unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
         session.publish(
             epoch=epoch,
             loss=self.loss,
