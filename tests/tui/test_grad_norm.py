@@ -35,7 +35,7 @@ async def test_a_run_without_norms_shows_no_norm_line():
     """An own loop (no norm is measured) or an older job's steps."""
     app = GputuiApp(cuda_run(steps=50), script="train.py", clock=FrozenClock(), refresh=1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+        await until(pilot, lambda: "smoothed" in text(app, "#loss"))  # the panel drew the run's steps
         assert "grad norm" not in text(app, "#loss")
 
 
