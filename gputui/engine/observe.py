@@ -69,11 +69,11 @@ class Observer:
     @contextlib.contextmanager
     def installed(self) -> Iterator[Observer]:
         """Hooks on while the script runs, in the thread that runs it (saved-tensor hooks are per thread)."""
+        patched = patches(self)  # first: what it reads can raise, and nothing is installed yet
         hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        patched = patches(self)
         originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
         for owner, name, patch in patched:
             setattr(owner, name, patch)

@@ -1,7 +1,8 @@
 """What the observer (engine/observe.py) patches in torch to see a script's own loop: backward() for its
 losses, the optimizer's constructor to find it, the DataLoader's iterator for the batches fetched, zero_grad
 for the gradients freed, GradScaler.scale for the unscaled loss, torch.compile to hide the hooks from
-dynamo. Each patch stands aside while gputui.fit trains (`observer.fitting`)."""
+dynamo. Each but the last stands aside while gputui.fit trains (`observer.fitting`): fit's own scaled
+losses are no backward() the observer reads, and kept they would pile up, one a micro-batch."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def patches(observer: Any) -> list[Patch]:
 
     def scale(scaler: Any, outputs: Any) -> Any:
         scaled = original_scale(scaler, outputs)
-        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        if not observer.fitting and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             observer.unscaled[id(scaled)] = outputs.detach()
         return scaled
 

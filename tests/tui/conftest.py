@@ -1,11 +1,11 @@
+import asyncio
 import textwrap
 import time
-from functools import partial
 
 import pytest
 import textual.app as textual_app
 from rich.console import Group
-from textual import _wait, pilot
+from textual import pilot
 
 from gputui.launch import run_script
 from gputui.tui.app import GputuiApp
@@ -46,23 +46,29 @@ print("saved after", result.steps, "steps")
 """
 
 
-IDLE_WAIT_S = 0.02
-"""The longest pilot waits for the process to go idle after a key, a click or a pause()."""
-
-
 def make_script(*, batch=16, batches=3000, delay=0.01, fail="", extra=""):
     return textwrap.dedent(SCRIPT.format(batch=batch, batches=batches, delay=delay, fail=fail, extra=extra))
 
 
+async def _app_idle(min_sleep: float = 0.02, max_sleep: float = 1.0) -> None:
+    """textual's wait_for_idle() with the event loop's thread as the measure of work: it waits until the
+    process's CPU time stops advancing (for a second at most), and an app whose training thread trains
+    never lets it, so each wait was that whole second. The app's own work (its handlers, its drawing)
+    runs on this thread: that is what a key press waits for."""
+    start = time.monotonic()
+    while True:
+        cpu = time.thread_time()
+        await asyncio.sleep(0.02)
+        elapsed = time.monotonic() - start
+        if elapsed >= max_sleep or (elapsed > min_sleep and time.thread_time() - cpu < 0.001):
+            return
+
+
 @pytest.fixture(autouse=True)
-def short_idle_waits(monkeypatch):
-    """Pilot's press() (twice a key), click() and pause() wait with textual's wait_for_idle() until the
-    process's CPU time stops advancing, for a second at most. An app whose training thread trains never
-    goes idle, so each wait was that whole second (most of the TUI tests' time). The tests wait for what
-    they check with until(); pilot keeps its wait for the app's message queues to drain (_wait_for_screen)."""
-    short = partial(_wait.wait_for_idle, max_sleep=IDLE_WAIT_S)
-    for module in (textual_app, pilot):  # each imported it by name
-        monkeypatch.setattr(module, "wait_for_idle", short)
+def app_idle_waits(monkeypatch):
+    """Pilot's press() (twice a key), click() and pause() wait for the app, not for the training thread."""
+    for module in (textual_app, pilot):  # each imported wait_for_idle by name
+        monkeypatch.setattr(module, "wait_for_idle", _app_idle)
 
 
 @pytest.fixture

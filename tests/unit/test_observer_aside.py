@@ -42,3 +42,22 @@ def test_fit_runs_without_the_observers_hooks_and_they_come_back_after(tmp_path)
         assert run_script(str(script), [str(out)], observe=hub) == 0
     seen = json.loads(out.read_text())
     assert seen == {"before": True, "in fit": [False, False, False], "after": True, "after a failed fit": True}
+
+
+def test_a_loss_fit_scales_is_not_kept_for_the_observer():
+    """fit's GradScaler scales a loss each micro-batch under fp16; the observer reads no backward() while
+    fit trains, so a loss kept for it would stay for the whole run, one device scalar a micro-batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gputui.engine.patches import patches
+
+    observer = SimpleNamespace(fitting=True, unscaled={})
+    scale = next(patch for owner, name, patch in patches(observer) if name == "scale")
+    scaler, loss = torch.amp.GradScaler("cpu"), torch.tensor(2.0, requires_grad=True)
+    scaled = scale(scaler, loss)
+    assert observer.unscaled == {} and scaled.item() == 2.0 * scaler.get_scale()
+    observer.fitting = False  # the script's own loop: its loss, unscaled, for backward() to find
+    scaled = scale(scaler, loss)
+    assert list(observer.unscaled) == [id(scaled)] and observer.unscaled[id(scaled)].item() == 2.0
