@@ -115,13 +115,27 @@ class Counter(private.DispatchMode):
             # branch on the value may have gone the other way).
             self.values_read += 1
             return _stand_in(args[0].dtype)
-        if func not in private.LIFTS:  # the fake mode makes torch.tensor(...) a constant
-            args, kwargs = private.map_tensors(self._faked, (args, kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func not in private.LIFTS and not (  # the fake mode makes torch.tensor(...) a constant
+            _all_fake(args, self.fake_type) and _all_fake(kwargs.values(), self.fake_type)
+        ):
+            args, kwargs = self._fakes(args), dict(zip(kwargs, map(self._fakes, kwargs.values()), strict=True))
+        out = func(*args, **kwargs)
         for t in private.leaves(out):
             if isinstance(t, torch.Tensor):
                 self.add(t)
         return out
+
+    def _fakes(self, arg: Any) -> Any:
+        """An op's argument with each real tensor in it faked. Walked in methods and map(), no closure (pytree's
+        map makes one, a comprehension is one): a traceback keeps a closure's frame and what the closure
+        holds (this counter, the copy) after the frame is cleared, so a refused tensor left the trace alive
+        and the Guard called it "kept" (Unsafe) where the step was only untraceable."""
+        if isinstance(arg, torch.Tensor):
+            return self._faked(arg)
+        if isinstance(arg, (list, tuple)) and not _all_fake(arg, self.fake_type):  # torch.Size stays one
+            return type(arg)(map(self._fakes, arg))
+        return arg
 
     def _faked(self, t: torch.Tensor) -> torch.Tensor:
         """A real tensor the step brings itself (class weights for the loss, a constant): its fake. One
@@ -134,6 +148,19 @@ class Counter(private.DispatchMode):
                 "loss?): only the model's own can be traced"
             )
         return self.fake(t)
+
+
+def _all_fake(args: Iterable[Any], fake_type: type) -> bool:
+    """Whether every tensor among an op's arguments is fake already, as nearly all are: then nothing is
+    mapped (a walk of every op's arguments was a fifth of the trace's time). ATen's schemas hold tensors
+    in lists and tuples only, beside scalars."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not isinstance(a, fake_type):
+                return False
+        elif isinstance(a, (list, tuple)) and not _all_fake(a, fake_type):
+            return False
+    return True
 
 
 def _stand_in(dtype: torch.dtype) -> bool | int | float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,11 +32,6 @@ LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defau
 """The ops torch.tensor(...) makes a tensor through: under the fake mode, already a fake constant."""
 
 _OWN_TENSORS = ("_parameters", "_buffers")
-
-
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """`tree` (an op's arguments) with `fn` applied to each tensor in it."""
-    return pytree.tree_map_only(torch.Tensor, fn, tree)
 
 
 def leaves(tree: Any) -> list[Any]:

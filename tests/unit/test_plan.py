@@ -302,6 +302,23 @@ def test_a_step_that_reads_a_value_of_its_data_is_predicted_as_approximate(hub):
     assert abs(error(p.tracked_peak, max(first, second))) <= TOLERANCE, (p.tracked_peak, first, second)
 
 
+def test_a_real_tensor_the_step_brings_is_traced_as_its_fake_and_one_that_requires_grad_is_refused(hub):
+    """Class weights the step keeps (real, on the device) are swapped for fakes op by op; a tensor that
+    requires grad outside the model cannot be (autograd would accumulate into the real one)."""
+    model, optimizer, batch, _ = BY_NAME["demo MLP"].make()
+    weights = torch.rand(10) + 0.5
+
+    def weighted(m: nn.Module, b: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(b[0]), b[1], weight=weights)
+
+    p = plan.predict(model, optimizer, batch, weighted)
+    measured = max(measured_peaks(hub, model, optimizer, batch, weighted, steps=2))
+    assert p.exact and abs(error(p.tracked_peak, measured)) <= TOLERANCE, (p.tracked_peak, measured)
+    scale = torch.ones(10, requires_grad=True)
+    with pytest.raises(plan.Untraceable, match="requires grad outside the model"):
+        plan.predict(model, optimizer, batch, lambda m, b: (m(b[0]) * scale).logsumexp(1).mean())
+
+
 def test_a_shape_that_depends_on_the_data_is_untraceable_and_the_estimate_says_why():
     torch.manual_seed(0)
     model = ShapedByItsData()
