@@ -131,6 +131,8 @@ async def test_watch_only_shows_the_latest_plan_but_cannot_ask():
     source.watch_only = WATCH_ONLY
     source.push(events=[plan_event(capacity=20 * GiB)])
     app = make(source)
+    said: list[str] = []
+    app.notify = lambda message, **_: said.append(message)  # type: ignore[method-assign]
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: app.view.plan is not None)
         assert app.why_not("plan") is None  # the screen opens: it shows what the job sent
@@ -140,8 +142,8 @@ async def test_watch_only_shows_the_latest_plan_but_cannot_ask():
         assert f"shows the run's latest plan but cannot ask for one: {WATCH_ONLY}" in shown_text
         assert "planning" not in shown_text
         await pilot.press("r")
-        await pilot.pause(0.1)
-        assert source.sent == []
+        await until(pilot, lambda: said != [])  # "r" was handled: refused, and why
+        assert said == [WATCH_ONLY] and source.sent == []
         line = text(app, "#remedies")
         assert "b 16×4 8.20 GiB ✓" in line  # the predictions are the job's: shown, the keys dimmed
 

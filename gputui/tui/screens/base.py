@@ -14,5 +14,13 @@ class Overlay(Screen[None]):
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss()
 
+    def on_mount(self) -> None:
+        self.call_after_refresh(self._first_update)  # is_mounted only turns true after on_mount
+
+    def _first_update(self) -> None:
+        """Not if the app closed meanwhile (a test's end, a quit): its widgets are being taken apart."""
+        if self.app.is_running:
+            self.update()
+
     def update(self) -> None:
         """Called by the app after each pull while this screen is on top."""

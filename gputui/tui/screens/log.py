@@ -26,9 +26,6 @@ class LogScreen(Overlay):
         self.output = output
         self._position = 0  # lines of the output already shown
 
-    def on_mount(self) -> None:
-        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
-
     def update(self) -> None:
         if not self.is_mounted:
             return

@@ -27,9 +27,6 @@ class MemoryScreen(Overlay):
         yield VerticalScroll(Static(id="memory-text"))
         yield Footer()
 
-    def on_mount(self) -> None:
-        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
-
     def update(self) -> None:
         v = self.view
         key = (v.generation, v.samples_seen, v.ooms, v.cuda_summary)

@@ -54,8 +54,7 @@ class PlannerScreen(Overlay):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.ask(quiet=True)
-        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
+        self.ask(quiet=True)  # the first update is the Overlay's (its on_mount runs too)
 
     def action_ask(self) -> None:
         self.ask(quiet=False)

@@ -29,9 +29,6 @@ class TopTensorsScreen(Overlay):
         self.view = view
         self._shown: Event | None = None  # the top_tensors event on screen
 
-    def on_mount(self) -> None:
-        self.call_after_refresh(self.update)  # is_mounted only turns true after on_mount
-
     def action_scan(self) -> None:
         self.post_message(RequestControl("top_tensors", text="top tensors"))
         self.query_one("#top-status", Static).update("Scanning again at the next step boundary…")
