@@ -109,6 +109,8 @@ class Counter(private.DispatchMode):
             self.gradients += self.blocks(p.grad.numel() * p.grad.element_size())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is private.LOCAL_SCALAR and not isinstance(args[0], self.fake_type):
+            return private.real_value(args[0])  # a real tensor the step brings: its value is there
         if func is private.LOCAL_SCALAR and not private.is_constant(args[0]):
             # A fake tensor has no value (a constant, like an optimizer's step count, has): a step that
             # logs its loss, or checks it, gets 1 (true) and the prediction says it was approximate (a
@@ -135,6 +137,8 @@ class Counter(private.DispatchMode):
             return self._faked(arg)
         if isinstance(arg, (list, tuple)) and not _all_fake(arg, self.fake_type):  # torch.Size stays one
             return type(arg)(map(self._fakes, arg))
+        if isinstance(arg, dict) and not _all_fake(arg.values(), self.fake_type):
+            return type(arg)(zip(arg, map(self._fakes, arg.values()), strict=True))
         return arg
 
     def _faked(self, t: torch.Tensor) -> torch.Tensor:
@@ -153,12 +157,14 @@ class Counter(private.DispatchMode):
 def _all_fake(args: Iterable[Any], fake_type: type) -> bool:
     """Whether every tensor among an op's arguments is fake already, as nearly all are: then nothing is
     mapped (a walk of every op's arguments was a fifth of the trace's time). ATen's schemas hold tensors
-    in lists and tuples only, beside scalars."""
+    in lists and tuples; a custom op's may in a dict."""
     for a in args:
         if isinstance(a, torch.Tensor):
             if not isinstance(a, fake_type):
                 return False
         elif isinstance(a, (list, tuple)) and not _all_fake(a, fake_type):
+            return False
+        elif isinstance(a, dict) and not _all_fake(a.values(), fake_type):
             return False
     return True
 

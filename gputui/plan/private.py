@@ -86,6 +86,12 @@ def fake_tensor_type() -> type:
     return FakeTensor
 
 
+def real_value(t: torch.Tensor) -> bool | int | float | complex:
+    """.item() of a real tensor, read inside the trace: the current modes must not see it."""
+    with _disable_current_modes():
+        return t.item()
+
+
 def to_fake(mode: Any, t: torch.Tensor, constant: bool) -> torch.Tensor:
     """`t`'s fake in `mode`: shapes, dtype and device; `constant` keeps a copy of its value too. Also called
     from inside the trace's dispatch, where the current modes must not see the conversion."""

@@ -302,18 +302,32 @@ def test_a_step_that_reads_a_value_of_its_data_is_predicted_as_approximate(hub):
     assert abs(error(p.tracked_peak, max(first, second))) <= TOLERANCE, (p.tracked_peak, first, second)
 
 
+_LIBRARY = torch.library.Library("gputui_test_plan", "DEF")  # a custom op that takes its tensors in a dict
+_LIBRARY.define("plus(Tensor x, Dict(str, Tensor) d) -> Tensor")
+_LIBRARY.impl("plus", lambda x, d: x + d["a"], "CompositeExplicitAutograd")
+torch.library.register_fake("gputui_test_plan::plus", lambda x, d: torch.empty_like(x), lib=_LIBRARY)
+
+
 def test_a_real_tensor_the_step_brings_is_traced_as_its_fake_and_one_that_requires_grad_is_refused(hub):
-    """Class weights the step keeps (real, on the device) are swapped for fakes op by op; a tensor that
-    requires grad outside the model cannot be (autograd would accumulate into the real one)."""
+    """Class weights the step keeps (real, on the device) are swapped for fakes op by op, wherever an op
+    takes them (an argument, a list, a custom op's dict), and a real scalar's value is read as it is;
+    a tensor that requires grad outside the model cannot be (autograd would accumulate into the real one)."""
     model, optimizer, batch, _ = BY_NAME["demo MLP"].make()
-    weights = torch.rand(10) + 0.5
+    weights, keep, shift, temperature = (
+        torch.rand(10) + 0.5,
+        torch.arange(10),
+        {"a": torch.zeros(16, 10)},
+        torch.tensor(2.0),
+    )
 
     def weighted(m: nn.Module, b: Any) -> torch.Tensor:
-        return nn.functional.cross_entropy(m(b[0]), b[1], weight=weights)
+        bias = torch.ops.gputui_test_plan.plus(b[0][:, :10], shift)  # of the batch: no gradient through it
+        logits = (torch.cat([m(b[0])[:, keep]]) + bias) / temperature.item()
+        return nn.functional.cross_entropy(logits, b[1], weight=weights)
 
     p = plan.predict(model, optimizer, batch, weighted)
     measured = max(measured_peaks(hub, model, optimizer, batch, weighted, steps=2))
-    assert p.exact and abs(error(p.tracked_peak, measured)) <= TOLERANCE, (p.tracked_peak, measured)
+    assert p.exact and abs(error(p.tracked_peak, measured)) <= TOLERANCE, (p.tracked_peak, measured, p.reason)
     scale = torch.ones(10, requires_grad=True)
     with pytest.raises(plan.Untraceable, match="requires grad outside the model"):
         plan.predict(model, optimizer, batch, lambda m, b: (m(b[0]) * scale).logsumexp(1).mean())
