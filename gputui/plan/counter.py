@@ -109,14 +109,16 @@ class Counter(private.DispatchMode):
             self.gradients += self.blocks(p.grad.numel() * p.grad.element_size())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is private.LOCAL_SCALAR and not isinstance(args[0], self.fake_type):
-            return private.real_value(args[0])  # a real tensor the step brings: its value is there
-        if func is private.LOCAL_SCALAR and not private.is_constant(args[0]):
-            # A fake tensor has no value (a constant, like an optimizer's step count, has): a step that
-            # logs its loss, or checks it, gets 1 (true) and the prediction says it was approximate (a
-            # branch on the value may have gone the other way).
-            self.values_read += 1
-            return _stand_in(args[0].dtype)
+        if func is private.LOCAL_SCALAR:
+            scalar: torch.Tensor = args[0]
+            if not isinstance(scalar, self.fake_type):
+                return private.real_value(scalar)  # a real tensor the step brings: its value is there
+            if not private.is_constant(scalar):
+                # A fake tensor has no value (a constant, like an optimizer's step count, has): a step that
+                # logs its loss, or checks it, gets 1 (true) and the prediction says it was approximate (a
+                # branch on the value may have gone the other way).
+                self.values_read += 1
+                return _stand_in(scalar.dtype)
         kwargs = kwargs or {}
         if func not in private.LIFTS and not (  # the fake mode makes torch.tensor(...) a constant
             _all_fake(args, self.fake_type) and _all_fake(kwargs.values(), self.fake_type)
