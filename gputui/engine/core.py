@@ -169,6 +169,7 @@ class Core:
             generators,
         )
         self.buffers, self.optimizer = buffers, optimizer
+        session.replay_state = lambda: [*generators.kept(), *(buffers.saved or ())]  # the top tensors' gputui replay
         self.state = state = RunState(
             session,
             sizing,

@@ -312,6 +312,10 @@ class Generators:
             if host.saved_at != self._starts:
                 host.save(self._starts)
 
+    def kept(self) -> list[torch.Tensor]:
+        """The device generators' states saved at the step's start (tensors: memory gputui holds)."""
+        return [t for t in (self._torch, self._accel) if isinstance(t, torch.Tensor)]
+
     def restore(self) -> None:
         torch.default_generator.set_state(self._torch)
         if self._cuda is not None:

@@ -92,6 +92,8 @@ class RunSession:
         self._host: HostReading | None = None
         self._host_t = 0.0
         self._t0 = time.monotonic()
+        self.replay_state: Callable[[], list[torch.Tensor]] = list
+        """What fit keeps to replay a step (engine/oom.py), shown as gputui's in the top tensors."""
 
     def _on(self, device: torch.device) -> None:
         """What depends on the device, made for `device`: the probe (with the limit), NVML's view,
@@ -250,7 +252,11 @@ class RunSession:
         elif action == "memory_summary":
             self.emit("memory_summary", control, text=torch.cuda.memory_summary(self.device))
         elif action == "top_tensors":
-            self.emit("top_tensors", control, **top_training_tensors(self.parameters(), self.optimizer, self._tracked))
+            self.emit(
+                "top_tensors",
+                control,
+                **top_training_tensors(self.parameters(), self.optimizer, self._tracked, self.replay_state()),
+            )
         else:
             return None
         return True

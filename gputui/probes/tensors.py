@@ -1,12 +1,12 @@
 """Top tensors: what is holding the memory, found the way the OOM guides do it, by walking gc.
 
 Groups the live, Python-visible tensors by shape, dtype, device and role (parameter, gradient,
-optimizer state, other), largest first. Storage shared by views counts once. The tensors the
-training loop knows (parameters, gradients, optimizer state) are always counted; the walk for
-the others stops at a time budget so a heap of millions of objects cannot stall training, and
-the report then says it is partial. Where the model is known (fit), a group of training state
-names its parameters, indices folded (`blocks.*.mlp.fc1.weight`); an own loop's optimizer holds
-the parameters but not their names, so its groups go unnamed.
+optimizer state, gputui replay: what gputui keeps to replay a step, other), largest first. Storage
+shared by views counts once. The tensors the training loop knows (parameters, gradients, optimizer
+state) are always counted; the walk for the others stops at a time budget so a heap of millions of
+objects cannot stall training, and the report then says it is partial. Where the model is known
+(fit), a group of training state names its parameters, indices folded (`blocks.*.mlp.fc1.weight`);
+an own loop's optimizer holds the parameters but not their names, so its groups go unnamed.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ def top_tensors(
     params: Iterable[torch.Tensor] = (),
     grads: Iterable[torch.Tensor] = (),
     optimizer_state: Iterable[torch.Tensor] = (),
+    replay: Iterable[torch.Tensor] = (),
     names: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
-    """`names`: id(tensor) -> the name a group of training state lists (folded_names())."""
+    """`replay`: what gputui keeps to replay a step (the generators' states, running statistics'
+    copies), its own memory, not the script's; `names`: id(tensor) -> the name a group of training
+    state lists (folded_names())."""
     start = time.monotonic()
     groups: dict[tuple[Any, ...], list[int]] = {}
     named: dict[tuple[Any, ...], Counter[str]] = {}
@@ -64,7 +67,13 @@ def top_tensors(
         if name is not None:
             named.setdefault(key, Counter())[name] += 1
 
-    for role, tensors in (("parameter", params), ("gradient", grads), ("optimizer state", optimizer_state)):
+    roles = (
+        ("parameter", params),
+        ("gradient", grads),
+        ("optimizer state", optimizer_state),
+        ("gputui replay", replay),
+    )
+    for role, tensors in roles:
         for t in tensors:
             if id(t) not in known:
                 known.add(id(t))
@@ -93,14 +102,16 @@ def top_training_tensors(
     params: list[torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     model: torch.nn.Module | list[torch.Tensor] | None = None,
+    replay: Iterable[torch.Tensor] = (),
 ) -> dict[str, Any]:
     """top_tensors() with the training state in its roles: the parameters, their gradients, the
-    optimizer's state; named after the parameters when `model` is a module (fit's; an own loop's
-    session tracks a list of tensors, which names nothing)."""
+    optimizer's state, what gputui keeps to replay a step; named after the parameters when `model` is
+    a module (fit's; an own loop's session tracks a list of tensors, which names nothing)."""
     return top_tensors(
         params=params,
         grads=[p.grad for p in params if p.grad is not None],
         optimizer_state=state_tensors(optimizer) if optimizer is not None else [],
+        replay=replay,
         names=folded_names(model, optimizer) if isinstance(model, torch.nn.Module) else None,
     )
 

@@ -117,6 +117,29 @@ def test_top_tensors_stops_at_its_time_budget():
     assert report["complete"] is False and report["scanned"] == 0
 
 
+def test_top_tensors_show_what_fit_keeps_to_replay_a_step_as_its_own(hub):
+    """The generators' states and the running statistics' copies are gputui's memory, not the script's
+    "other" tensors."""
+    model = ConvNet(batch_norm=True)
+
+    def batches():
+        first, second = conv_batches(2, 4)
+        yield first
+        hub.controls.request("top_tensors")  # after a step: its start's states are kept
+        yield second
+
+    result = gputui.fit(model, batches(), conv_step, torch.optim.Adam(model.parameters()))
+    rows = next(e for e in result.events if e.name == "top_tensors")["rows"]
+    rng = torch.default_generator.get_state()
+    ours = [r for r in rows if r["role"] == "gputui replay"]
+    assert {"shape": list(rng.shape), "dtype": "uint8", "count": 1} in [
+        {k: r[k] for k in ("shape", "dtype", "count")} for r in ours
+    ], rows
+    stats = [b for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for b in m.buffers()]
+    assert sum(r["count"] for r in ours) == 1 + len(stats), ours  # the state and a copy of each buffer
+    assert not [r for r in rows if r["role"] == "other" and r["dtype"] == "uint8" and r["shape"] == list(rng.shape)]
+
+
 def test_top_tensors_and_snapshot_controls_on_cpu(hub):
     model = ConvNet()
     hub.controls.request("top_tensors")
