@@ -136,8 +136,8 @@ def test_top_tensors_show_what_fit_keeps_to_replay_a_step_as_its_own(hub):
         {k: r[k] for k in ("shape", "dtype", "count")} for r in ours
     ], rows
     stats = [b for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for b in m.buffers()]
-    assert sum(r["count"] for r in ours) == 1 + len(stats), ours  # the state and a copy of each buffer
-    assert not [r for r in rows if r["role"] == "other" and r["dtype"] == "uint8" and r["shape"] == list(rng.shape)]
+    # the state and a copy of each buffer (a tensor has one role: these are not among "other" then)
+    assert sum(r["count"] for r in ours) == 1 + len(stats), ours
 
 
 def test_top_tensors_and_snapshot_controls_on_cpu(hub):
