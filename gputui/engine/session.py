@@ -29,7 +29,7 @@ from ..telemetry.events import check_event
 from ..telemetry.hub import Hub
 from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
-from ..telemetry.sample import Event, HostReading, Memory, RankMemory, StepRecord
+from ..telemetry.sample import Event, HostReading, Memory, RankMemory
 from ..units import parse_size
 from .result import SettingsError
 
@@ -291,8 +291,8 @@ class RunSession:
         the probe makes one (on CUDA, a few a second; `exact`: after every step, for a planner calibrating
         against each), else the last one again. Returns the new reading, or None.
 
-        What is published is a record of the figures (a tuple in StepSample's field order): the
-        sample is made by whoever reads it, if anyone does (sample.StepRecord)."""
+        What is published is a row of the figures (StepSample's fields in order), appended to the hub's
+        rows; the hub makes its record at a flush, and its sample when a reader asks (telemetry/hub.py)."""
         now = time.monotonic()
         steps, samples = self.steps, self.samples
         steps_per_s, samples_per_s = self._rate.add(now, steps, samples)
@@ -301,12 +301,30 @@ class RunSession:
         assert memory is not None  # a probe's first step_reading reads
         if now - self._host_t >= HOST_INTERVAL:
             self._host, self._host_t = read_host(), now
-        fields = (time.time(), steps, epoch, loss, batch_size, micro_batch, accumulation, amp, checkpointing)
-        self.hub.publish_record(
-            StepRecord(
-                fields + (samples_per_s, memory, samples, self._host, loss_source, steps_per_s, ranks, grad_norm)
+        hub = self.hub
+        hub.rows.append(
+            (
+                time.time(),
+                steps,
+                epoch,
+                loss,
+                batch_size,
+                micro_batch,
+                accumulation,
+                amp,
+                checkpointing,
+                samples_per_s,
+                memory,
+                samples,
+                self._host,
+                loss_source,
+                steps_per_s,
+                ranks,
+                grad_norm,
             )
         )
+        if now >= hub.due:
+            hub.flush(now)
         return reading
 
     def clear_rate(self) -> None:

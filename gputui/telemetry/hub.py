@@ -3,9 +3,17 @@ the script's output.
 
 One hub per process. The launcher (`gputui run`, the TUI) installs one with its settings before
 the script starts; `fit()` publishes into whichever hub is installed, or makes its own when the
-script runs under plain `python`. Publishing a step is an append under a lock plus the sinks' own
-cost: the training thread never waits on a reader, and a reader makes the step's StepSample when it
-asks for it (sample.StepRecord).
+script runs under plain `python`.
+
+Publishing a step is one append of its figures to `rows`, without a lock, a call or an object of
+the hub's: in a millisecond step, what a step touches beyond its own work costs it several times its
+warm cost (torch's step leaves the caches cold), and a record, the ring and the sinks made each step
+measured ~6 us of a 2 ms step. The rows become records (sample.StepRecord) and go to the sinks in a
+batch at a flush: the publisher's, every FLUSH_S (every step, once steps take that long), before
+an event, a run's start or end (so every sink and reader gets the steps before it, in order), and
+the server thread's once they are overdue (the script evaluates, saves, works outside a step).
+A reader drains the rows first: it sees every step published. The training thread never waits on a
+reader, and a reader makes the step's StepSample when it asks for it.
 """
 
 from __future__ import annotations
@@ -21,19 +29,24 @@ from typing import Any, Protocol
 from .controls import Controls
 from .output import OutputLog
 from .run import RunInfo, RunSummary
-from .sample import Event, GpuReading, StepRecord, StepSample
+from .sample import STEP_ROW, Event, GpuReading, StepRecord, StepSample
 
 IDLE_S = 1.0
 """Seconds outside a step after which the run is "between steps" (a step's own gap is far shorter)."""
+FLUSH_S = 0.05
+"""Seconds the steps published may wait in `rows` before their sinks get them (the server's tick)."""
 
 
 class Sink(Protocol):
-    """A consumer called on the training thread: it must be quick and must not raise, but for
-    SinkFailed once, when it can write no more.
+    """A consumer called by whoever flushes (the training thread, mostly; the server thread for steps
+    left waiting), one call at a time: it must be quick and must not raise, but for SinkFailed once,
+    when it can write no more.
 
     A sink that has an `on_record(record: StepRecord)` method is given each step's record instead
-    of its sample: it makes the sample only if and when it needs it (the progress line, a few
-    times a second; the socket's server, on its own thread)."""
+    of its sample, in the batches the hub flushes: it makes the sample only if and when it needs it
+    (the progress line, a few times a second; the socket's server, on its own thread). A sink given
+    samples is given each as its step ends: while one is added, the hub flushes every step (a sink
+    that acts on a step, as a test's that steers at step N, needs it then)."""
 
     def on_start(self, info: RunInfo) -> None: ...
     def on_sample(self, sample: StepSample) -> None: ...
@@ -70,6 +83,13 @@ class Hub:
         # the socket server and the TUI read it. Its own lock: a print never waits on a sample.
         self.output = OutputLog()
         self._lock = threading.Lock()
+        self.rows: deque[tuple[Any, ...]] = deque()
+        """The steps published since the last drain, each StepSample's fields in order: the publisher's one
+        append a step (a deque's append is atomic: no lock). Call flush() once `due` has passed."""
+        self.due = 0.0  # monotonic time by which the rows should be flushed
+        self._wait = FLUSH_S  # how long rows may wait: 0 while a sink wants samples as they come
+        self._owed: deque[StepRecord] = deque()  # drained into the ring, not handed to the sinks yet
+        self._calling = threading.RLock()  # one flush or event at a time calls the sinks, in order
         self._samples: deque[StepRecord] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)
         self._published = 0  # samples ever published: a reader's cursor counts against it
@@ -96,13 +116,22 @@ class Hub:
         with self._lock:
             self._sinks = [*self._sinks, sink]
             self._step_calls = [(s, _step_call(s)) for s in self._sinks]
+            self._waits()
 
     def remove_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks = [s for s in self._sinks if s is not sink]
             self._step_calls = [(s, call) for s, call in self._step_calls if s is not sink]
+            self._waits()
+
+    def _waits(self) -> None:
+        eager = any(getattr(s, "on_record", None) is None for s in self._sinks)
+        self._wait = 0.0 if eager else FLUSH_S
+        if eager:
+            self.due = 0.0
 
     def start(self, info: RunInfo) -> None:
+        self.flush()  # the last run's steps go before its successor's start
         with self._lock:
             self.info = info
             self.summary = None
@@ -113,26 +142,69 @@ class Hub:
         """The step published last (0 before any), without the lock: a signal handler asks, in a thread
         that may hold it (a deque's last item is read atomically)."""
         try:
+            return int(self.rows[-1][_STEP])
+        except IndexError:  # none waiting, or drained meanwhile: the ring has it
+            pass
+        try:
             return self._samples[-1].step
         except IndexError:
             return 0
 
     def publish(self, sample: StepSample) -> None:
-        """Publish a sample made already (one received from a job); the engine publishes records."""
+        """Publish a sample made already (one received from a job); the engine publishes rows."""
         self.publish_record(StepRecord.of(sample))
 
     def publish_record(self, record: StepRecord) -> None:
-        """Publish one step, on the training thread: its sample is made by the first reader that asks."""
+        """Publish one step as a record made already (a job's, received), to the sinks at once."""
         with self._lock:
-            self._samples.append(record)
-            self._published += 1
-        for sink, call in self._step_calls:  # _call() written out: this runs every step
-            try:
-                call(record)
-            except SinkFailed as failure:
-                self._failed(sink, failure)
+            self._drain()
+            self._keep(record)
+        self._deliver()
+
+    def flush(self, now: float | None = None) -> None:
+        """Hand the steps published since the last flush to the ring and the sinks (`now`: the
+        publisher's monotonic clock, read already)."""
+        self.due = (time.monotonic() if now is None else now) + self._wait
+        if self.rows:
+            with self._lock:
+                self._drain()
+        if self._owed:
+            self._deliver()
+
+    def flush_due(self) -> None:
+        """Flush the rows left waiting past `due` (the server thread's turn: the script works outside a
+        step, or its steps come slower than the flushes)."""
+        if self.rows and time.monotonic() >= self.due:
+            self.flush()
+
+    def _drain(self) -> None:
+        """The rows into records, in the ring and owed to the sinks; under the lock."""
+        rows = self.rows
+        while rows:
+            self._keep(StepRecord(rows.popleft()))
+
+    def _keep(self, record: StepRecord) -> None:
+        self._samples.append(record)
+        self._owed.append(record)
+        self._published += 1
+
+    def _deliver(self) -> None:
+        """Every record owed to the sinks, in order (_call() written out: a batch of steps at a time)."""
+        owed = self._owed
+        with self._calling:
+            while owed:
+                record = owed.popleft()
+                for sink, call in self._step_calls:
+                    try:
+                        call(record)
+                    except SinkFailed as failure:
+                        self._failed(sink, failure)
 
     def emit(self, event: Event) -> None:
+        self.flush()  # the steps before it go first
+        self._event(event)
+
+    def _event(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
             self._emitted += 1
@@ -141,6 +213,7 @@ class Hub:
         self._call("on_event", event)
 
     def end(self, summary: RunSummary) -> None:
+        self.flush()
         with self._lock:
             self.summary = summary
             if self.info is not None:
@@ -186,23 +259,26 @@ class Hub:
         hub dropped it already."""
         if sink not in self._sinks:
             return
-        try:
-            getattr(sink, method)(arg)
-        except SinkFailed as failure:
-            self._failed(sink, failure)
-
-    def _call(self, method: str, arg: Any) -> None:
-        for sink in self._sinks:
+        with self._calling:
             try:
                 getattr(sink, method)(arg)
             except SinkFailed as failure:
                 self._failed(sink, failure)
 
+    def _call(self, method: str, arg: Any) -> None:
+        with self._calling:
+            for sink in self._sinks:
+                try:
+                    getattr(sink, method)(arg)
+                except SinkFailed as failure:
+                    self._failed(sink, failure)
+
     def _failed(self, sink: Sink, failure: SinkFailed) -> None:
+        """Drop the sink and say so once; the event goes after the steps delivered so far (not a flush:
+        the failure may come in the middle of one)."""
         self.remove_sink(sink)
         say_failed(failure)
-        last = self.latest()
-        self.emit(Event("sink_failed", last.step if last else 0, {**failure.details, "message": str(failure)}))
+        self._event(Event("sink_failed", self.last_step(), {**failure.details, "message": str(failure)}))
 
     def since(self, cursor: tuple[int, int]) -> tuple[list[StepSample], list[Event], tuple[int, int]]:
         """What was published after `cursor` ((0, 0) at first), and the cursor to pass next time.
@@ -210,6 +286,7 @@ class Hub:
         A reader slower than the ring gets what the ring still holds: it misses samples, never
         blocks the publisher."""
         with self._lock:
+            self._drain()
             records = _tail(self._samples, self._published - cursor[0])
             events = _tail(self._events, self._emitted - cursor[1])
             position = (self._published, self._emitted)
@@ -217,11 +294,13 @@ class Hub:
 
     def latest(self) -> StepSample | None:
         with self._lock:
+            self._drain()
             record = self._samples[-1] if self._samples else None
         return record.sample() if record is not None else None
 
     def samples(self) -> list[StepSample]:
         with self._lock:
+            self._drain()
             records = list(self._samples)
         return [r.sample() for r in records]
 
@@ -245,6 +324,9 @@ def _step_call(sink: Sink) -> Callable[[StepRecord], None]:
     if on_record is not None:
         return on_record
     return lambda record: sink.on_sample(record.sample())
+
+
+_STEP = STEP_ROW.index("step")
 
 
 def _tail(ring: deque[Any], count: int) -> list[Any]:

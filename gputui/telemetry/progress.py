@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from typing import TextIO
@@ -61,6 +62,7 @@ class ProgressLine:
         self._drawn = False  # a line without a newline is on the terminal
         self._first = True  # the next step is a part's first (a fit call's, a Trainer's): drawn at once
         self.quiet = False
+        self._trainer: int | None = None  # the thread that starts the run: the one that prints with the script
 
     def _write(self, text: str) -> None:
         try:
@@ -92,6 +94,7 @@ class ProgressLine:
 
     def on_start(self, info: RunInfo) -> None:
         self._info = info
+        self._trainer = threading.get_ident()
         # A script with its own loop prints its own progress: gputui adds nothing to its output.
         self.quiet = info.observed
         if self.quiet:
@@ -116,6 +119,11 @@ class ProgressLine:
         """A step: drawn if it is the first or the last drawing is `interval` old (its sample made
         only then), else kept for the end."""
         if self.quiet:
+            return
+        if self._trainer is not None and threading.get_ident() != self._trainer:
+            # Steps the server thread flushed while the script works between steps (printing, perhaps):
+            # the training thread draws them, never in the middle of one of the script's lines.
+            self._pending = record
             return
         if self._first or time.monotonic() - self._last_draw >= self.interval:
             self._first = False

@@ -217,7 +217,8 @@ class HostReading:
 class StepSample:
     """What one optimizer step left behind: progress, the settings it ran with, and memory after it.
 
-    The engine publishes its fields as a positional tuple (StepRecord): a new field goes last."""
+    The engine publishes its fields as a positional tuple (a row of hub.rows, then a StepRecord): a new
+    field goes last."""
 
     t: float
     step: int
@@ -271,12 +272,12 @@ class StepSample:
 
 
 class StepRecord:
-    """A step as the training thread publishes it: StepSample's fields in their order, in a tuple.
+    """A step as the hub keeps it: the row the training thread published (StepSample's fields in their
+    order, in a tuple).
 
-    Building the frozen StepSample costs the step microseconds (more with the caches a step of
-    training leaves cold) that most steps need not pay: a screen reads a few samples a second, the
-    socket's server on its own thread. So the sample is made when a reader first asks for it, on
-    the reader's thread, and kept for the readers after it."""
+    Building the frozen StepSample costs microseconds that most steps need not pay: a screen reads a
+    few samples a second, the socket's server on its own thread. So the sample is made when a reader
+    first asks for it, on the reader's thread, and kept for the readers after it."""
 
     __slots__ = ("fields", "step", "_sample")
 

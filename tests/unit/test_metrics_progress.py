@@ -257,8 +257,8 @@ def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_pa
 
 
 def test_a_metrics_file_has_each_step_while_training_goes_on_and_every_line_in_order(hub, tmp_path):
-    """Steps are written by the file's own thread within FLUSH_S (a step does not wait for it); an event
-    is written after the steps before it, and close() writes what is left."""
+    """Steps are written by the file's own thread within its FLUSH_S of the hub handing them over (a step
+    does not wait for it); an event is written after the steps before it, and close() writes what is left."""
     path = tmp_path / "m.jsonl"
     metrics = MetricsFile(path)
     hub.add_sink(metrics)
@@ -271,8 +271,8 @@ def test_a_metrics_file_has_each_step_while_training_goes_on_and_every_line_in_o
         calls.append(1)
         if len(calls) == 2:
             hub.controls.request("halve_batch", source="test")  # an event at the boundary after step 2
-        if len(calls) == 6:  # step 4's second piece (steps 3 and 4 run in halves): step 3's line is written
-            wait_until(lambda: any(r.get("step") == 3 for r in written()), 5, "step 3's line while training")
+        if len(calls) == 6:  # step 4's second piece (steps 3 and 4 run in halves): the event handed step 2 over
+            wait_until(lambda: any(r.get("step") == 2 for r in written()), 5, "step 2's line while training")
         return conv_step(model, batch)
 
     model = ConvNet()

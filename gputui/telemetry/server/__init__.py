@@ -1,6 +1,6 @@
 """The telemetry server in every training process: the hub on a Unix socket, for `gputui attach`.
 
-A hub sink on the training thread only appends to a deque; one server thread does the rest, each
+A hub sink (called at the hub's flushes) only appends to a deque; one server thread does the rest, each
 job in its own module: accepting connections (listener.py: only the owning user gets in), the
 welcome a new client gets (welcome.py: the run so far), serializing each record once and fanning it
 out into per-client buffers with back-pressure (peers.py), the script's output at a bounded rate
@@ -124,6 +124,7 @@ class TelemetryServer:
             except Exception as exc:
                 sys.stderr.write(f"gputui: telemetry server error: {type(exc).__name__}: {exc}\n")
                 time.sleep(TICK)
+        self.hub.flush()
         self._broadcast_queue()  # the last records (the end line, the last lines printed) before closing
         self._broadcast_output()
         for peer in self._peers:
@@ -147,6 +148,7 @@ class TelemetryServer:
                 self._admission.read(peer)
             if mask & selectors.EVENT_WRITE and peer in self._peers:
                 self._peers.flush(peer)
+        self.hub.flush_due()  # steps left waiting (the script works outside a step): sent now, not at its next
         self._broadcast_queue()
         for record in (self._so_far.gpus_record(), self._so_far.idle_record()):
             if record is not None:

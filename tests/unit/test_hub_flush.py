@@ -1,0 +1,132 @@
+"""A step is published as a row the hub flushes to its sinks in batches (telemetry/hub.py): a reader sees
+every step at once, the sinks get them at a flush, before any event after them; a sink that takes
+samples gets each step as it ends; and steps left waiting reach an attached client while the script
+works outside a step, over a real socket."""
+
+import io
+import os
+import threading
+import time
+
+import pytest
+import torch
+from helpers import ConvNet, Sink, conv_batches, conv_step
+from test_server import sample, until
+
+import gputui
+from gputui.telemetry.client import Mirror
+from gputui.telemetry.hub import Hub, SinkFailed
+from gputui.telemetry.progress import ProgressLine
+from gputui.telemetry.run import RunInfo
+from gputui.telemetry.sample import STEP_ROW, Event, StepRecord
+from gputui.telemetry.server import TelemetryServer
+
+
+class Seen(Sink):
+    """Notes what it is given, in order: ("step", n) or (event name, its step)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.fail_at = fail_at
+
+    def on_record(self, record):
+        if record.step == self.fail_at:
+            raise SinkFailed("cannot write")
+        self.seen.append(("step", record.step))
+
+    def on_event(self, event):
+        self.seen.append((event.name, event.step))
+
+
+def row(step: int) -> tuple:
+    """What RunSession.publish appends: StepSample's fields in order."""
+    return tuple(STEP_ROW.values(sample(step)))
+
+
+def test_rows_wait_for_the_flush_readers_see_them_at_once_and_an_event_comes_after_them():
+    hub, sink = Hub(), Seen()
+    hub.add_sink(sink)
+    hub.rows.append(row(1))
+    hub.flush()  # a run's first step: due at once
+    assert sink.seen == [("step", 1)] and hub.due > time.monotonic()
+    hub.rows.extend([row(2), row(3)])  # two quick steps, before the next flush is due
+    assert sink.seen == [("step", 1)]
+    assert hub.last_step() == 3  # a signal handler's read, no lock
+    assert hub.latest().step == 3 and [s.step for s in hub.samples()] == [1, 2, 3]
+    assert sink.seen == [("step", 1)], "a reader's drain calls no sink"
+    hub.emit(Event("remedy", 3))
+    assert sink.seen == [("step", 1), ("step", 2), ("step", 3), ("remedy", 3)]
+    assert [s.step for s in hub.since((0, 0))[0]] == [1, 2, 3], "each step once in the ring"
+
+
+def test_a_failing_sink_is_dropped_mid_batch_and_the_others_get_every_step():
+    hub, failing, other = Hub(), Seen(fail_at=2), Seen()
+    hub.add_sink(failing)
+    hub.add_sink(other)
+    hub.rows.extend([row(1), row(2), row(3)])
+    hub.flush()
+    assert failing.seen == [("step", 1)]
+    assert [s for s in other.seen if s[0] == "step"] == [("step", 1), ("step", 2), ("step", 3)]
+    assert [e.name for e in hub.events()] == ["sink_failed"]
+    hub.rows.append(row(4))
+    hub.flush()
+    assert failing.seen == [("step", 1)] and other.seen[-1] == ("step", 4)
+
+
+def test_a_sink_given_samples_gets_each_step_before_the_next_begins(hub):
+    """RequestAt-style sinks steer at step N: the hub flushes every step while one is added."""
+
+    class Samples(Sink):
+        def __init__(self):
+            self.steps: list[int] = []
+
+        def on_sample(self, sample):
+            self.steps.append(sample.step)
+
+    samples, records = Samples(), Seen()
+    hub.add_sink(records)
+    hub.add_sink(samples)
+    seen_at_forward: list[int] = []
+
+    def step(model, batch):
+        seen_at_forward.append(len(samples.steps))
+        return conv_step(model, batch)
+
+    model = ConvNet()
+    gputui.fit(model, conv_batches(5, 4), step, torch.optim.SGD(model.parameters(), lr=0.01))
+    assert seen_at_forward == [0, 1, 2, 3, 4]
+    assert samples.steps == [1, 2, 3, 4, 5] and [s for s in records.seen if s[0] == "step"] == [
+        ("step", n) for n in range(1, 6)
+    ]
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_steps_left_waiting_reach_an_attached_client_while_the_script_is_outside_a_step():
+    hub = Hub()
+    server = TelemetryServer(hub).start()
+    try:
+        hub.start(RunInfo(device="cpu", total_steps=10))
+        hub.rows.append(row(1))
+        hub.flush()
+        mirror = Mirror(server.path, os.getpid()).start()
+        until(lambda: mirror.hub.latest() is not None and mirror.hub.latest().step == 1)
+        hub.rows.extend([row(2), row(3)])  # published before the flush was due; then the script evaluates
+        hub.idle_since = time.time()
+        until(lambda: mirror.hub.latest().step == 3, what=lambda: mirror.hub.latest().step)
+        mirror.stop()
+    finally:
+        server.close()
+
+
+def test_the_progress_line_draws_steps_the_server_thread_flushed_only_on_the_training_thread():
+    """The script may be printing between steps: a line drawn from another thread could land inside it."""
+    out = io.StringIO()
+    line = ProgressLine(out, interval=0.0)
+    line.on_start(RunInfo(device="cpu", model="Net", params=10, total_steps=9))
+    started = out.getvalue()
+    other = threading.Thread(target=line.on_record, args=(StepRecord.of(sample(4)),))
+    other.start()
+    other.join()
+    assert out.getvalue() == started
+    line.on_record(StepRecord.of(sample(5)))
+    assert out.getvalue() != started and "step 5" in out.getvalue()
