@@ -18,6 +18,7 @@ reader, and a reader makes the step's StepSample when it asks for it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -113,6 +114,7 @@ class Hub:
         self.idle_since: float | None = None
 
     def add_sink(self, sink: Sink) -> None:
+        self.flush()  # the steps published before it are not its
         with self._lock:
             self._sinks = [*self._sinks, sink]
             self._step_calls = [(s, _step_call(s)) for s in self._sinks]
@@ -131,12 +133,13 @@ class Hub:
             self.due = 0.0
 
     def start(self, info: RunInfo) -> None:
-        self.flush()  # the last run's steps go before its successor's start
-        with self._lock:
-            self.info = info
-            self.summary = None
-            self.runs += 1
-        self._call("on_start", info)
+        with self._calling:
+            self.flush()  # the last run's steps go before its successor's start
+            with self._lock:
+                self.info = info
+                self.summary = None
+                self.runs += 1
+            self._call("on_start", info)
 
     def last_step(self) -> int:
         """The step published last (0 before any), without the lock: a signal handler asks, in a thread
@@ -156,26 +159,34 @@ class Hub:
 
     def publish_record(self, record: StepRecord) -> None:
         """Publish one step as a record made already (a job's, received), to the sinks at once."""
-        with self._lock:
-            self._drain()
-            self._keep(record)
-        self._deliver()
-
-    def flush(self, now: float | None = None) -> None:
-        """Hand the steps published since the last flush to the ring and the sinks (`now`: the
-        publisher's monotonic clock, read already)."""
-        self.due = (time.monotonic() if now is None else now) + self._wait
-        if self.rows:
+        with self._calling:
             with self._lock:
                 self._drain()
-        if self._owed:
+                self._keep(record)
+            self._deliver()
+
+    def flush(self, now: float | None = None) -> None:
+        """Hand every step published so far to the ring and the sinks, in order. `now`: the publisher's
+        monotonic clock (the next flush is due FLUSH_S after it); without it (an event, a run's start,
+        the server thread), the next step is flushed at once: a part's first step is drawn at once."""
+        self.due = 0.0 if now is None else now + self._wait
+        with self._calling:
+            with self._lock:  # even with no rows left: a reader's drain under way has put its records in _owed
+                self._drain()
             self._deliver()
 
     def flush_due(self) -> None:
-        """Flush the rows left waiting past `due` (the server thread's turn: the script works outside a
-        step, or its steps come slower than the flushes)."""
-        if self.rows and time.monotonic() >= self.due:
-            self.flush()
+        """The server thread's turn: flush the steps left waiting past `due` (the script works outside a
+        step; a reader drained them meanwhile), unless the publisher flushes every step itself (a sink
+        wants samples as they come) or a flush is under way (a sink blocked on a paused terminal must
+        not stall the server)."""
+        if not self._wait or not (self.rows or self._owed) or time.monotonic() < self.due:
+            return
+        if self._calling.acquire(blocking=False):
+            try:
+                self.flush()
+            finally:
+                self._calling.release()
 
     def _drain(self) -> None:
         """The rows into records, in the ring and owed to the sinks; under the lock."""
@@ -189,20 +200,21 @@ class Hub:
         self._published += 1
 
     def _deliver(self) -> None:
-        """Every record owed to the sinks, in order (_call() written out: a batch of steps at a time)."""
+        """Every record owed to the sinks, in order; under `_calling` (_call() written out: a batch of steps
+        at a time)."""
         owed = self._owed
-        with self._calling:
-            while owed:
-                record = owed.popleft()
-                for sink, call in self._step_calls:
-                    try:
-                        call(record)
-                    except SinkFailed as failure:
-                        self._failed(sink, failure)
+        while owed:
+            record = owed.popleft()
+            for sink, call in self._step_calls:
+                try:
+                    call(record)
+                except SinkFailed as failure:
+                    self._failed(sink, failure, record.step)
 
     def emit(self, event: Event) -> None:
-        self.flush()  # the steps before it go first
-        self._event(event)
+        with self._calling:  # no flush of another thread's between the steps before it and the event
+            self.flush()
+            self._event(event)
 
     def _event(self, event: Event) -> None:
         with self._lock:
@@ -213,12 +225,13 @@ class Hub:
         self._call("on_event", event)
 
     def end(self, summary: RunSummary) -> None:
-        self.flush()
-        with self._lock:
-            self.summary = summary
-            if self.info is not None:
-                self.ended.append((self.info, summary))
-        self._call("on_end", summary)
+        with self._calling:
+            self.flush()
+            with self._lock:
+                self.summary = summary
+                if self.info is not None:
+                    self.ended.append((self.info, summary))
+            self._call("on_end", summary)
 
     def note_saved(self, path: str, size: int) -> None:
         """gputui.save wrote `size` bytes to `path` (the last save of a path counts)."""
@@ -273,12 +286,13 @@ class Hub:
                 except SinkFailed as failure:
                     self._failed(sink, failure)
 
-    def _failed(self, sink: Sink, failure: SinkFailed) -> None:
-        """Drop the sink and say so once; the event goes after the steps delivered so far (not a flush:
-        the failure may come in the middle of one)."""
+    def _failed(self, sink: Sink, failure: SinkFailed, step: int | None = None) -> None:
+        """Drop the sink and say so once (`step`: the step it failed on). The event goes after the steps
+        delivered so far: not a flush, the failure may come in the middle of one."""
         self.remove_sink(sink)
         say_failed(failure)
-        self._event(Event("sink_failed", self.last_step(), {**failure.details, "message": str(failure)}))
+        at = self.last_step() if step is None else step
+        self._event(Event("sink_failed", at, {**failure.details, "message": str(failure)}))
 
     def since(self, cursor: tuple[int, int]) -> tuple[list[StepSample], list[Event], tuple[int, int]]:
         """What was published after `cursor` ((0, 0) at first), and the cursor to pass next time.
@@ -338,6 +352,19 @@ def _tail(ring: deque[Any], count: int) -> list[Any]:
 
 
 _current: Hub | None = None
+
+
+def _forked() -> None:
+    """In a forked child: the hub's locks new (a thread of the parent's may have held them at the fork),
+    and none of the parent's steps to hand on (the parent does)."""
+    hub = _current
+    if hub is not None:
+        hub._lock, hub._calling = threading.Lock(), threading.RLock()
+        hub.rows.clear()
+        hub._owed.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def install(hub: Hub | None) -> None:

@@ -1,11 +1,12 @@
 """The metrics file: one JSON object a line (start, step, event, end), in the order they happened.
 
-A step's line is written by a thread of the file's own, at most FLUSH_S after the step: made and
-encoded on the training thread, it cost a 1.5 ms CPU step ~75 us (the encoder's code and data cold
-after the step's own work), written in a batch ~15 us a line, and off the training thread. The
-run's start, its events and its end are written where they happen, after the steps before them, so
-`tail -f` sees each step within FLUSH_S, and an error, a Ctrl-C or a stop still writes every step
-(a SIGKILL loses at most the last FLUSH_S).
+A step's line is written by a thread of the file's own, at most FLUSH_S after the hub hands the step
+over (hub.FLUSH_S after it, or at the next step, event or end where no server thread flushes steps
+left waiting): made and encoded on the training thread, it cost a 1.5 ms CPU step ~75 us (the
+encoder's code and data cold after the step's own work), written in a batch ~15 us a line, and off
+the training thread. The run's start, its events and its end are written where they happen, after
+the steps before them, so `tail -f` sees each step within a quarter of a second, and an error, a
+Ctrl-C or a stop still writes every step (a SIGKILL loses at most the last quarter second).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class MetricsFile:
             self._file = open(self.path, "ab" if append else "wb", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the metrics file {self.path}: {exc.strerror}") from None
-        self._steps: deque[StepRecord] = deque()  # published, not written yet (appended on the training thread)
+        self._steps: deque[StepRecord] = deque()  # published, not written yet (appended at the hub's flushes)
         self._lock = threading.Lock()  # one writer at a time: the thread, or an event's line
         self._failure: SinkFailed | None = None  # the writing thread's, for the next call to raise
         self._stop = threading.Event()
@@ -159,7 +160,7 @@ class MetricsFile:
 
 
 FLUSH_S = 0.2
-"""The most a step's line waits before it is written (its thread's turn)."""
+"""The most a step's line waits, once the hub handed it over, before it is written (its thread's turn)."""
 
 _OPEN: weakref.WeakSet[MetricsFile] = weakref.WeakSet()
 """The files not closed yet: a script that never closes one still gets its steps at exit."""

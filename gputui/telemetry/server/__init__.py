@@ -43,7 +43,7 @@ class TelemetryServer:
         # A step as its record (the one append a step: no tuple to make), anything else as (kind, item).
         self._queue: deque[StepRecord | tuple[str, Any]] = deque(maxlen=100_000)
         # A step's record goes straight into the queue (a client gets its row; no sample is made for
-        # it): the hub calls the deque's own append, no Python frame on the training thread.
+        # it): the hub's flush calls the deque's own append, no Python frame.
         self.on_record: Callable[[StepRecord], None] = self._queue.append
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
