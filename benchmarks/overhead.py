@@ -70,7 +70,9 @@ SIZES = {
     "gpt": (Sizes((80, 20), (16, 6, 3), (200, 10)), Sizes((12, 3), (3, 6, 3), (30, 5))),
     "mlp-1t": (Sizes((3000, 600), (40, 20, 4), (3000, 100)), Sizes((150, 20), (10, 20, 4), (400, 50))),
     "mlp-b512": (Sizes((2000, 400), (40, 20, 4), (2000, 80)), Sizes((120, 20), (8, 20, 4), (300, 30))),
-    "mlp-b832": (Sizes((1500, 300), (60, 20, 4), (1500, 60)), Sizes((100, 20), (8, 20, 4), (200, 20))),
+    # The 2 ms step issue 25's 0.98 is read at: 200 pairs of blocks, as a pair's own spread (quartiles about
+    # +-30 us) puts the median of 60 within +-0.004 of the ratio, more than the gap it is read for.
+    "mlp-b832": (Sizes((1500, 300), (200, 20, 4), (1500, 60)), Sizes((100, 20), (8, 20, 4), (200, 20))),
     "mlp-b1024": (Sizes((1500, 300), (30, 15, 3), (1500, 50)), Sizes((100, 20), (5, 15, 3), (200, 20))),
 }
 

@@ -276,9 +276,6 @@ class CpuProbe:
     def capacity(self) -> int | None:
         return self.tracker.budget
 
-    def step_reading(self) -> Memory:
-        return self.read()  # as cheap as not reading (below)
-
     def read(self) -> Memory:
         """The reading; the last one again while no figure changed (most steps: the same bytes, and
         RSS read a few times a second), so a step pays a tuple, not a record."""
@@ -301,6 +298,8 @@ class CpuProbe:
         )
         self._last = (key, memory)
         return memory
+
+    step_reading = read  # after every step: as cheap as not reading
 
     def free_cache(self) -> dict[str, Any]:
         before, after = host.release_free_memory()

@@ -320,7 +320,9 @@ def test_an_estimate_from_a_reading_with_totals_only_keeps_the_training_state_fi
     def totals_only(device, tracker, **kwargs):  # as CudaProbe reads: no params, grads, optimizer
         probe = real(device, tracker, **kwargs)
         read = probe.read
-        probe.read = lambda: dataclasses.replace(read(), params=None, grads=None, optimizer=None, activations=None)
+        probe.read = probe.step_reading = lambda: dataclasses.replace(
+            read(), params=None, grads=None, optimizer=None, activations=None
+        )
         return probe
 
     monkeypatch.setattr(session, "for_device", totals_only)
