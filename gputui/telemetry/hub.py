@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from .controls import Controls
 from .output import OutputLog
 from .run import RunInfo, RunSummary
-from .sample import STEP_ROW, Event, GpuReading, StepRecord, StepSample
+from .sample import STEP_AT, Event, GpuReading, StepRecord, StepSample
 
 IDLE_S = 1.0
 """Seconds outside a step after which the run is "between steps" (a step's own gap is far shorter)."""
@@ -145,7 +145,7 @@ class Hub:
         """The step published last (0 before any), without the lock: a signal handler asks, in a thread
         that may hold it (a deque's last item is read atomically)."""
         try:
-            return int(self.rows[-1][_STEP])
+            return int(self.rows[-1][STEP_AT])
         except IndexError:  # none waiting, or drained meanwhile: the ring has it
             pass
         try:
@@ -338,9 +338,6 @@ def _step_call(sink: Sink) -> Callable[[StepRecord], None]:
     if on_record is not None:
         return on_record
     return lambda record: sink.on_sample(record.sample())
-
-
-_STEP = STEP_ROW.index("step")
 
 
 def _tail(ring: deque[Any], count: int) -> list[Any]:

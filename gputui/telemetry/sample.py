@@ -283,7 +283,7 @@ class StepRecord:
 
     def __init__(self, fields: tuple[Any, ...], sample: StepSample | None = None) -> None:
         self.fields = fields
-        self.step: int = fields[_STEP]
+        self.step: int = fields[STEP_AT]
         self._sample = sample
 
     @classmethod
@@ -350,5 +350,6 @@ STEP_ROW = Layout(
     StepSample, "a steps record's row", {Memory: "memory", HostReading: "host reading", RankMemory: "rank"}
 )
 """A step's row on the wire, read from StepSample's declaration (and its records')."""
-_STEP = STEP_ROW.index("step")
-_charted = itemgetter(_STEP, STEP_ROW.index("loss"), STEP_ROW.index("memory"), STEP_ROW.index("grad_norm"))
+STEP_AT = STEP_ROW.index("step")
+"""Where a step's row (a StepRecord's fields, a row of hub.rows) holds its step number."""
+_charted = itemgetter(STEP_AT, STEP_ROW.index("loss"), STEP_ROW.index("memory"), STEP_ROW.index("grad_norm"))
