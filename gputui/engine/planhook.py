@@ -126,7 +126,10 @@ class PlanningHook:
         fresh = self.planner is None
         planner = self.get()
         if fresh and self.session.memory is not None:
-            self.measured(self.session.memory)  # the table says what the last step measured
+            # the table says what the last steps measured: read now, which also starts the planner's own
+            # readings (every step's, from here) afresh, not with the steps since a reading a step made
+            memory = self.session.memory = self.session.probe.read()
+            self.measured(memory)
         planner.ask("asked", control)
         return True
 

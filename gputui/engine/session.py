@@ -4,7 +4,7 @@
 what is theirs: fit changes how the next step trains, the observer watches a loop it cannot
 change. Everything else lives here once: the memory probe built from the run's settings, the
 controls that need no loop (free the cache, snapshot, memory summary, top tensors, pause and
-resume), the one pause-wait, the counters, the rate, the host readings, the run's info and
+resume), the one pause-wait, the counters, when the rate starts over, the host readings, the run's info and
 summary, and the events that answer every request.
 """
 
@@ -27,7 +27,6 @@ from ..probes.tensors import top_training_tensors
 from ..telemetry.controls import SUMMARY_NEEDS_CUDA, Control
 from ..telemetry.events import check_event
 from ..telemetry.hub import Hub
-from ..telemetry.rate import Rate
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, HostReading, Memory, RankMemory
 from ..units import parse_size
@@ -88,10 +87,10 @@ class RunSession:
         self.steps = self.samples = 0
         self.paused = False
         self.events: list[Event] | None = [] if keep_events else None  # fit returns them; an own loop needs none
-        self._rate = Rate()
         self._host: HostReading | None = None
         self._host_t = 0.0
         self._t0 = time.monotonic()
+        hub.clear_rate()  # a new run's rate: the script's setup before it is not training time
         self.replay_state: Callable[[], list[torch.Tensor]] = list
         """What fit keeps to replay a step (engine/oom.py), shown as gputui's in the top tensors."""
 
@@ -245,7 +244,7 @@ class RunSession:
             if not self.paused:
                 return self.refuse(control, "not paused")
             self.paused = False
-            self._rate.clear()  # the pause is not training time
+            self.hub.clear_rate()  # the pause is not training time
             self.emit("resumed", control)
         elif action == "snapshot":
             self.snapshot("requested", control)
@@ -288,14 +287,12 @@ class RunSession:
         exact: bool = False,
     ) -> Memory | None:
         """Publish the step just counted (`steps`, `samples`) with the memory after it: a new reading where
-        the probe makes one (on CUDA, a few a second; `exact`: after every step, for a planner calibrating
+        the probe makes one (a few a second; `exact`: after every step, for a planner calibrating
         against each), else the last one again. Returns the new reading, or None.
 
         What is published is a row of the figures (StepSample's fields in order), appended to the hub's
         rows; the hub makes its record at a flush, and its sample when a reader asks (telemetry/hub.py)."""
         now = time.monotonic()
-        steps, samples = self.steps, self.samples
-        steps_per_s, samples_per_s = self._rate.add(now, steps, samples)
         reading = self.probe.read() if exact else self.probe.step_reading()
         memory = self.memory = reading or self.memory
         assert memory is not None  # a probe's first step_reading reads
@@ -305,7 +302,7 @@ class RunSession:
         hub.rows.append(
             (
                 time.time(),
-                steps,
+                self.steps,
                 epoch,
                 loss,
                 batch_size,
@@ -313,12 +310,12 @@ class RunSession:
                 accumulation,
                 amp,
                 checkpointing,
-                samples_per_s,
+                None,  # samples per second: the hub's to fill in (telemetry/rate.py)
                 memory,
-                samples,
+                self.samples,
                 self._host,
                 loss_source,
-                steps_per_s,
+                None,  # steps per second
                 ranks,
                 grad_norm,
             )
@@ -328,4 +325,4 @@ class RunSession:
         return reading
 
     def clear_rate(self) -> None:
-        self._rate.clear()
+        self.hub.clear_rate()

@@ -31,7 +31,7 @@ import torch
 
 from ..telemetry.sample import Memory
 from ..units import format_bytes
-from . import host
+from . import STEP_READ_S, host
 
 RECOUNT_S = 1.0
 """Without a budget, a step's activations are counted again at least this often, whatever its shape."""
@@ -258,7 +258,9 @@ def unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuProbe:
-    """Readings for a CPU device: the tracked training state, the budget as capacity, and RSS."""
+    """Readings for a CPU device: the tracked training state, the budget as capacity, and RSS. After steps
+    it reads at most every STEP_READ_S, as the CUDA probe does, each reading's peak the largest of the
+    steps since the one before."""
 
     name = "CPU"
     over_limit: dict[str, int] | None = None
@@ -266,6 +268,8 @@ class CpuProbe:
     def __init__(self, tracker: StateTracker) -> None:
         self.tracker = tracker
         self._last: tuple[tuple[int | None, ...], Memory] | None = None
+        self._peak = 0  # the largest step peak since the last reading
+        self._step_read_at = float("-inf")  # when step_reading last read; -inf: the next one reads
 
     def start_step(self) -> None:
         """Nothing to reset: the tracker's step is started by whoever drives it."""
@@ -276,11 +280,26 @@ class CpuProbe:
     def capacity(self) -> int | None:
         return self.tracker.budget
 
+    def step_reading(self) -> Memory | None:
+        """After a step: a reading, or None where the last one (at most STEP_READ_S old, and no other
+        reading, cache freeing or OOM since) stands for it; its peak is kept for the next."""
+        peak = self.tracker.peak
+        if peak > self._peak:
+            self._peak = peak
+        now = time.monotonic()
+        if now - self._step_read_at < STEP_READ_S:
+            return None
+        memory = self.read()
+        self._step_read_at = now
+        return memory
+
     def read(self) -> Memory:
-        """The reading; the last one again while no figure changed (most steps: the same bytes, and
-        RSS read a few times a second), so a step pays a tuple, not a record."""
+        """A reading now, its peak the largest of the steps since the last reading; the last record again
+        while no figure changed (RSS is read a few times a second)."""
         t = self.tracker
-        key = (t.params, t.grads, t.optimizer_bytes, t.activations, t.peak, t.budget, host.rss(host.RSS_MAX_AGE))
+        peak = max(self._peak, t.peak)
+        self._peak, self._step_read_at = 0, float("-inf")  # what changed is shown after the next step
+        key = (t.params, t.grads, t.optimizer_bytes, t.activations, peak, t.budget, host.rss(host.RSS_MAX_AGE))
         last = self._last
         if last is not None and last[0] == key:
             return last[1]
@@ -299,10 +318,9 @@ class CpuProbe:
         self._last = (key, memory)
         return memory
 
-    step_reading = read  # after every step: as cheap as not reading
-
     def free_cache(self) -> dict[str, Any]:
         before, after = host.release_free_memory()
+        self._step_read_at = float("-inf")  # the next step's reading shows what went
         return {"bytes": before - after, "rss_before": before, "rss_after": after}
 
     def close(self) -> None:
@@ -315,3 +333,4 @@ class CpuProbe:
         among the attempt's objects, young ones: the young generations' collection finds it in well
         under a millisecond, where a full one costs ~100 ms with torch loaded."""
         gc.collect(1)
+        self._peak, self._step_read_at = 0, float("-inf")  # the replay's peak is its own

@@ -17,13 +17,10 @@ from typing import Any
 import torch
 
 from ..telemetry.sample import Memory
-from . import allocator, host
+from . import STEP_READ_S, allocator, host
 
 FREE_MAX_AGE = 1.0
 """Seconds a device-free reading (cudaMemGetInfo, a driver call) may be reused for."""
-STEP_READ_S = 0.1
-"""Seconds between the readings made after steps (step_reading). A reading and its peak reset cost a
-launch-bound step on an H200 about 140 us (benchmarks/fit_cost.py); the screen redraws 4 times a second."""
 
 
 def _all(stats: Mapping[str, Any], name: str, which: str = "current") -> int:

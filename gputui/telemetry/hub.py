@@ -8,10 +8,11 @@ script runs under plain `python`.
 Publishing a step is one append of its figures to `rows`, without a lock, a call or an object of
 the hub's: in a millisecond step, what a step touches beyond its own work costs it several times its
 warm cost (torch's step leaves the caches cold), and a record, the ring and the sinks made each step
-measured ~6 us of a 2 ms step. The rows become records (sample.StepRecord) and go to the sinks in a
-batch at a flush: the publisher's, every FLUSH_S (every step, once steps take that long), before
-an event, a run's start or end (so every sink and reader gets the steps before it, in order), and
-the server thread's once they are overdue (the script evaluates, saves, works outside a step).
+measured ~6 us of a 2 ms step. The rows become records (sample.StepRecord), their rates filled in
+(rate.py), and go to the sinks in a batch at a flush: the publisher's, every FLUSH_S (every step,
+once steps take that long), before an event, a run's start or end (so every sink and reader gets the
+steps before it, in order), and the server thread's once they are overdue (the script evaluates,
+saves, works outside a step).
 A reader drains the rows first: it sees every step published. The training thread never waits on a
 reader, and a reader makes the step's StepSample when it asks for it.
 """
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 
 from .controls import Controls
 from .output import OutputLog
+from .rate import Rate
 from .run import RunInfo, RunSummary
 from .sample import STEP_AT, Event, GpuReading, StepRecord, StepSample
 
@@ -90,6 +92,7 @@ class Hub:
         self.due = 0.0  # monotonic time by which the rows should be flushed
         self._wait = FLUSH_S  # how long rows may wait: 0 while a sink wants samples as they come
         self._owed: deque[StepRecord] = deque()  # drained into the ring, not handed to the sinks yet
+        self._rate = Rate()  # the rows' steps and samples per second, derived as they are drained
         self._calling = threading.RLock()  # one flush or event at a time calls the sinks, in order
         self._samples: deque[StepRecord] = deque(maxlen=ring_size)
         self._events: deque[Event] = deque(maxlen=ring_size)
@@ -189,10 +192,17 @@ class Hub:
                 self._calling.release()
 
     def _drain(self) -> None:
-        """The rows into records, in the ring and owed to the sinks; under the lock."""
-        rows = self.rows
+        """The rows into records, their rates filled in, in the ring and owed to the sinks; under the lock."""
+        rows, fill = self.rows, self._rate.fill
         while rows:
-            self._keep(StepRecord(rows.popleft()))
+            self._keep(StepRecord(fill(rows.popleft())))
+
+    def clear_rate(self) -> None:
+        """The time from the last step published to the next is not training time (a pause, an evaluation,
+        a new run's setup): the rate starts over with the next step."""
+        with self._lock:
+            self._drain()
+            self._rate.clear()
 
     def _keep(self, record: StepRecord) -> None:
         self._samples.append(record)

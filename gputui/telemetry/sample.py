@@ -352,4 +352,8 @@ STEP_ROW = Layout(
 """A step's row on the wire, read from StepSample's declaration (and its records')."""
 STEP_AT = STEP_ROW.index("step")
 """Where a step's row (a StepRecord's fields, a row of hub.rows) holds its step number."""
+RATE_FROM = (STEP_ROW.index("t"), STEP_AT, STEP_ROW.index("samples"))
+"""Where a row holds what its rates are derived from (telemetry/rate.py): its time, step and samples."""
+RATES_AT = (STEP_ROW.index("steps_per_s"), STEP_ROW.index("samples_per_s"))
+"""Where a row holds its rates, filled in as the hub drains it."""
 _charted = itemgetter(STEP_AT, STEP_ROW.index("loss"), STEP_ROW.index("memory"), STEP_ROW.index("grad_norm"))

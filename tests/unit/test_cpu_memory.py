@@ -6,7 +6,8 @@ from helpers import ConvNet, conv_batches, conv_step
 from torch import nn
 
 import gputui
-from gputui.probes.cpu import StateTracker
+from gputui.probes import cpu
+from gputui.probes.cpu import CpuProbe, StateTracker
 
 
 def test_counts_parameters_gradients_optimizer_state_exactly():
@@ -55,7 +56,8 @@ def test_budget_raises_real_oom_in_the_phase_where_it_is_crossed(budget, phase):
     t.close()
 
 
-def test_fit_publishes_real_changing_cpu_readings(hub):
+def test_fit_publishes_real_changing_cpu_readings(hub, monkeypatch):
+    monkeypatch.setattr(cpu, "STEP_READ_S", 0.0)  # a reading after every step
     model = ConvNet()
     gputui.fit(model, conv_batches(6, 8), conv_step, torch.optim.Adam(model.parameters()), memory_budget="64MiB")
     samples = hub.samples()
@@ -68,6 +70,30 @@ def test_fit_publishes_real_changing_cpu_readings(hub):
     assert m2.peak > m2.allocated + params  # at the peak gradients and activations were alive
     assert m1.rss > 50 * 2**20 and m1.reserved is None and m1.fragmented is None
     assert samples[0].memory.peak < samples[1].memory.peak  # the optimizer state appeared in step 1
+
+
+def test_readings_between_steps_keep_the_largest_step_peak_for_the_next(monkeypatch):
+    """Steps faster than STEP_READ_S are read a few times a second (as on CUDA): the steps between carry the
+    last reading, and the next reading's peak is the largest of the steps since, not only the last one's."""
+    monkeypatch.setattr(cpu, "STEP_READ_S", 3600.0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t = StateTracker(model, opt, None)
+    probe = CpuProbe(t)
+    first = tracked_step(t, model, opt, torch.randn(4, 64), "small")[1]
+    assert probe.step_reading().peak == first  # a run's first step is read
+    big = tracked_step(t, model, opt, torch.randn(256, 64), "big")[1]
+    assert probe.step_reading() is None  # within STEP_READ_S: the last reading stands
+    small = tracked_step(t, model, opt, torch.randn(4, 64), "small")[1]
+    assert probe.step_reading() is None and small < big
+    assert probe.read().peak == big  # the big step between readings, not the small one after it
+    tracked_step(t, model, opt, torch.randn(4, 64), "small")
+    reading = probe.step_reading()  # a reading outside the steps: the next step's is made, its peak its own
+    assert reading is not None and reading.peak == small
+    probe.free_cache()
+    tracked_step(t, model, opt, torch.randn(4, 64), "small")
+    assert probe.step_reading() is not None  # what freeing the cache changed is shown after the next step
+    t.close()
 
 
 def peak_of(**kwargs):

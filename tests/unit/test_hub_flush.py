@@ -3,6 +3,7 @@ every step at once, the sinks get them at a flush, before any event after them; 
 samples gets each step as it ends; and steps left waiting reach an attached client while the script
 works outside a step, over a real socket."""
 
+import dataclasses
 import io
 import os
 import threading
@@ -41,6 +42,32 @@ class Seen(Sink):
 def row(step: int) -> tuple:
     """What RunSession.publish appends: StepSample's fields in order."""
     return tuple(STEP_ROW.values(sample(step)))
+
+
+def timed(step: int, t: float, samples: int) -> tuple:
+    """A row as published: its time and counters, its rates left for the hub."""
+    return tuple(STEP_ROW.values(dataclasses.replace(sample(step), t=t, samples=samples)))
+
+
+def test_the_hub_derives_each_rows_rates_and_a_clear_falls_between_the_rows_it_separates():
+    """Rates are filled in as the rows are drained, over the steps since the last clear: steps published
+    before a pause and drained after it are not rated across it."""
+    hub = Hub()
+    hub.rows.extend([timed(1, 10.0, 8), timed(2, 10.5, 16), timed(3, 11.0, 24)])
+    hub.clear_rate()  # a pause (resumed an hour later), the rows still waiting
+    hub.rows.extend([timed(4, 3611.0, 32), timed(5, 3611.5, 40)])
+    rates = [(s.step, s.steps_per_s, s.samples_per_s) for s in hub.samples()]
+    assert rates == [(1, None, None), (2, 2.0, 16.0), (3, 2.0, 16.0), (4, None, None), (5, 2.0, 16.0)]
+
+
+def test_counters_that_go_back_start_the_rate_over():
+    """An own loop after fit counts its steps from its own start, and a clock may step back: a rate across
+    either would be negative, so the window starts over."""
+    hub = Hub()
+    hub.rows.extend([timed(40, 10.0, 320), timed(41, 10.5, 328), timed(1, 11.0, 8), timed(2, 11.5, 16)])
+    hub.rows.extend([timed(3, 5.0, 24), timed(4, 5.5, 32)])
+    rates = [(s.step, s.steps_per_s) for s in hub.samples()]
+    assert rates == [(40, None), (41, 2.0), (1, None), (2, 2.0), (3, None), (4, 2.0)]
 
 
 def test_rows_wait_for_the_flush_readers_see_them_at_once_and_an_event_comes_after_them():
