@@ -31,7 +31,7 @@ import torch
 
 from ..telemetry.sample import Memory
 from ..units import format_bytes
-from . import STEP_READ_S, host
+from . import PacedReadings, host
 
 RECOUNT_S = 1.0
 """Without a budget, a step's activations are counted again at least this often, whatever its shape."""
@@ -257,7 +257,7 @@ def unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class CpuProbe:
+class CpuProbe(PacedReadings):
     """Readings for a CPU device: the tracked training state, the budget as capacity, and RSS. After steps
     it reads at most every STEP_READ_S, as the CUDA probe does, each reading's peak the largest of the
     steps since the one before."""
@@ -269,7 +269,6 @@ class CpuProbe:
         self.tracker = tracker
         self._last: tuple[tuple[int | None, ...], Memory] | None = None
         self._peak = 0  # the largest step peak since the last reading
-        self._step_read_at = float("-inf")  # when step_reading last read; -inf: the next one reads
 
     def start_step(self) -> None:
         """Nothing to reset: the tracker's step is started by whoever drives it."""
@@ -281,17 +280,11 @@ class CpuProbe:
         return self.tracker.budget
 
     def step_reading(self) -> Memory | None:
-        """After a step: a reading, or None where the last one (at most STEP_READ_S old, and no other
-        reading, cache freeing or OOM since) stands for it; its peak is kept for the next."""
+        """After a step: its peak kept for the next reading, which is made at most every STEP_READ_S."""
         peak = self.tracker.peak
         if peak > self._peak:
             self._peak = peak
-        now = time.monotonic()
-        if now - self._step_read_at < STEP_READ_S:
-            return None
-        memory = self.read()
-        self._step_read_at = now
-        return memory
+        return super().step_reading()
 
     def read(self) -> Memory:
         """A reading now, its peak the largest of the steps since the last reading; the last record again

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..telemetry.sample import Memory
-from . import STEP_READ_S, allocator, host
+from . import PacedReadings, allocator, host
 
 FREE_MAX_AGE = 1.0
 """Seconds a device-free reading (cudaMemGetInfo, a driver call) may be reused for."""
@@ -54,7 +54,7 @@ def memory_fraction(device: torch.device) -> float:
     return 1.0 if get is None else float(get(device))
 
 
-class CudaProbe:
+class CudaProbe(PacedReadings):
     """Reads one CUDA device. The peak is reset at the first step start after each reading, so a
     reading's peak covers every step since the one before: steps read at most every STEP_READ_S
     (step_reading) lose no peak between readings.
@@ -84,7 +84,6 @@ class CudaProbe:
         self.total = torch.cuda.mem_get_info(device)[1]
         self._room = (float("-inf"), 0, 0)  # when, device free, free + reserved then
         self._reset_due = True  # a reading took the peak: the next step starts a new one
-        self._step_read_at = float("-inf")  # when step_reading last read; -inf: the next one reads
         self.limit: int | None = None
         self._previous: float | None = None  # the fraction before ours, put back by close()
         if limit is not None:
@@ -134,16 +133,6 @@ class CudaProbe:
         micro_batch="auto", the after-OOM pick and the ranks' exchange read."""
         room = self._read_room(reserved)[2]
         return room if self.limit is None else min(self.limit, room)
-
-    def step_reading(self) -> Memory | None:
-        """After a step: a reading, or None where the last one (at most STEP_READ_S old, and no other
-        reading, cache freeing or OOM since) stands for it."""
-        now = time.monotonic()
-        if now - self._step_read_at < STEP_READ_S:
-            return None
-        memory = self.read()
-        self._step_read_at = now
-        return memory
 
     def read(self) -> Memory:
         """A reading now, its peak that of the steps since the last reading (or the last reset)."""

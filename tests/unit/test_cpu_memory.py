@@ -6,7 +6,7 @@ from helpers import ConvNet, conv_batches, conv_step
 from torch import nn
 
 import gputui
-from gputui.probes import cpu
+from gputui import probes
 from gputui.probes.cpu import CpuProbe, StateTracker
 
 
@@ -57,7 +57,7 @@ def test_budget_raises_real_oom_in_the_phase_where_it_is_crossed(budget, phase):
 
 
 def test_fit_publishes_real_changing_cpu_readings(hub, monkeypatch):
-    monkeypatch.setattr(cpu, "STEP_READ_S", 0.0)  # a reading after every step
+    monkeypatch.setattr(probes, "STEP_READ_S", 0.0)  # a reading after every step
     model = ConvNet()
     gputui.fit(model, conv_batches(6, 8), conv_step, torch.optim.Adam(model.parameters()), memory_budget="64MiB")
     samples = hub.samples()
@@ -75,7 +75,7 @@ def test_fit_publishes_real_changing_cpu_readings(hub, monkeypatch):
 def test_readings_between_steps_keep_the_largest_step_peak_for_the_next(monkeypatch):
     """Steps faster than STEP_READ_S are read a few times a second (as on CUDA): the steps between carry the
     last reading, and the next reading's peak is the largest of the steps since, not only the last one's."""
-    monkeypatch.setattr(cpu, "STEP_READ_S", 3600.0)
+    monkeypatch.setattr(probes, "STEP_READ_S", 3600.0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     t = StateTracker(model, opt, None)

@@ -9,6 +9,7 @@ from helpers import ConvNet, conv_batches, conv_step
 
 import gputui
 import gputui.engine.session as session_module
+from gputui import probes
 from gputui.probes import cuda
 from gputui.probes.cuda import CudaProbe
 from gputui.telemetry.describe import describe
@@ -138,6 +139,7 @@ class Clock:
     def __init__(self, monkeypatch, step_s: float) -> None:
         self.now, self.step_s = 1000.0, step_s
         monkeypatch.setattr(cuda, "time", self)
+        monkeypatch.setattr(probes, "time", self)  # where step_reading paces the readings (PacedReadings)
 
     def monotonic(self) -> float:
         return self.now

@@ -22,8 +22,7 @@ from helpers import ConvNet, assert_same_tensors, conv_step
 from torch import nn
 
 import gputui
-from gputui import plan
-from gputui.probes import cpu
+from gputui import plan, probes
 from gputui.probes.cpu import tensor_bytes
 from gputui.step.checkpointing import Checkpointing
 
@@ -102,7 +101,7 @@ def measured_peaks(hub, model, optimizer, batch, step, steps: int = 1, **setting
     """Each step's peak as fit's CPU tracker counts it. The budget far above it only makes every step
     counted, each gradient as it arrives (as under a real budget)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "STEP_READ_S", 0.0)  # a reading after every step, not a few a second
+        patch.setattr(probes, "STEP_READ_S", 0.0)  # a reading after every step, not a few a second
         gputui.fit(model, [batch] * steps, step, optimizer, memory_budget="64GiB", **settings)
     samples = hub.samples()[-steps:]
     assert [s.step for s in samples] == list(range(samples[0].step, samples[0].step + steps))

@@ -9,9 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import gputui
+from gputui import probes
 from gputui.plan import planner as planning
 from gputui.plan import predict
-from gputui.probes import cpu
 from gputui.probes.cpu import state_tensors, tensor_bytes
 
 
@@ -333,7 +333,7 @@ def test_an_estimate_from_a_reading_with_totals_only_keeps_the_training_state_fi
         keep = y >= 0
         return step(model, (x[keep], y[keep]))
 
-    monkeypatch.setattr(cpu, "STEP_READ_S", 0.0)  # step 2's sample is its own reading, as the planner's
+    monkeypatch.setattr(probes, "STEP_READ_S", 0.0)  # step 2's sample is its own reading, as the planner's
     model, opt = warmed()
     hub.add_sink(RequestAt(hub, 2, "plan"))
     result = gputui.fit(model, batches(4), masked, opt, memory_budget=64 * 2**20, micro_batch=32)
