@@ -239,7 +239,7 @@ class Core:
         state, hub = self.state, self.hub
         idle = hub.idle_since
         if idle is not None and time.time() - idle >= IDLE_S:
-            self.session.clear_rate()  # an evaluation, a save: not training time
+            hub.clear_rate()  # an evaluation, a save: not training time
         hub.idle_since = None
         if batch is not None:
             state.batch_size = batch_size(batch)

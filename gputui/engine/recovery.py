@@ -154,7 +154,7 @@ class Recovery:
                     if session.paused:
                         session.paused = False
                         session.emit("resumed", reason=control.action)
-                    session.clear_rate()
+                    session.hub.clear_rate()
             self.planning.paused(batch)
 
         apply()

@@ -323,6 +323,3 @@ class RunSession:
         if now >= hub.due:
             hub.flush(now)
         return reading
-
-    def clear_rate(self) -> None:
-        self.hub.clear_rate()
