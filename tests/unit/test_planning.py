@@ -29,15 +29,6 @@ class Wide(nn.Module):
         return self.head(x)
 
 
-@pytest.fixture(autouse=True)
-def unhurried(monkeypatch):
-    """Tables and picks traced within their time budgets, however loaded the machine: a budget run out
-    splits a table over two boundaries (two plan events) or picks from what it found (another size),
-    which these tests do not ask about."""
-    for name in ("BOUNDARY_S", "ASKED_S", "OOM_S"):
-        monkeypatch.setattr(planning, name, 60.0)
-
-
 def step(model, batch):
     x, y = batch
     return F.cross_entropy(model(x), y)
