@@ -9,7 +9,7 @@ import torch
 from helpers import ConvNet, RequestAt, Sink, conv_batches, conv_step, on_event
 from test_oom import FailOn
 from test_plan_safety import counted
-from test_planning import Wide, batches, step, unhurried  # noqa: F401 (unhurried: an autouse fixture)
+from test_planning import Wide, batches, step
 
 import gputui
 
