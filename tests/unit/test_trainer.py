@@ -3,6 +3,7 @@
 when a stop was asked for so the loop can leave."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -278,6 +279,24 @@ def test_a_step_that_raises_and_is_caught_leaves_nothing_to_the_next(hub):
     assert skipped == [1]
     assert_same_weights(model, ref)
     assert_same_buffers(model, ref)
+
+
+def test_a_step_error_stays_the_one_raised_when_the_step_cannot_be_undone(hub):
+    """A device the error broke (a CUDA device-side assert) fails gputui's undo too: the script's own error
+    is raised, with a note saying what could not be undone, not gputui's error in its place."""
+    model = ConvNet(batch_norm=True)
+
+    def breaking(model, batch):
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        bn.running_mean.resize_(1)  # its saved copy no longer fits: putting it back fails
+        raise ValueError("bad sample")
+
+    with gputui.Trainer(model, sgd(model), breaking) as trainer, pytest.raises(ValueError) as err:
+        trainer.step(conv_batches(1, 4)[0])
+    assert str(err.value) == "bad sample"
+    notes = getattr(err.value, "__notes__", None)
+    if sys.version_info >= (3, 11):
+        assert notes is not None and notes[0].startswith("gputui could not undo the failed step (RuntimeError: ")
 
 
 def test_after_an_error_in_the_optimizer_step_under_fp16_the_next_steps_train(hub):
