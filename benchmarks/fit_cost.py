@@ -8,8 +8,9 @@ by a no-op, in turns, so a slow spell of the machine falls on every variant.
 On a GPU a launch-bound step (torch limited to one thread, as a training process on a GPU machine
 leaves the other cores to its data loaders) pays for each CUDA runtime call fit makes a step: the
 memory read (the allocator's nested stats dict, the peak reset), the loss's copy to the host, the
-generators' states saved for a replay. The variants say what each costs there; the parts they stand in
-for are named in PARTS. A variant's figures are only a guide to a part's cost: without it fit is not
+generators' states saved for a replay. On a CPU the parts are the CPU tracker's step (the batch's shapes
+keyed, the step's start and end), the generators, the loss read, the boundary and the row published.
+The variants say what each costs; the parts they stand in for are named in PARTS. A variant's figures are only a guide to a part's cost: without it fit is not
 correct (no replay, no memory panel), which is why it is no option of fit.
 """
 
@@ -25,7 +26,7 @@ import harness
 import torch
 from workloads import Interleaved, fit_loop, make
 
-from gputui.engine import deferred, oom
+from gputui.engine import boundary, deferred, oom, runner, session
 from gputui.probes import cuda
 
 
@@ -65,6 +66,21 @@ def _host_generators_only(real: Callable[..., Any]) -> Callable[..., Any]:
     return start
 
 
+def _tracker_started_once(real: Callable[..., Any]) -> Callable[..., Any]:
+    """The CPU tracker's step start on a run's first step only: the steps after it key no batch and count
+    nothing (its figures stay the first step's)."""
+
+    def start(run: Any, batch: Any, size: int) -> None:
+        if run.tracker is None or not getattr(run, "_started_once", False):
+            run._started_once = True
+            real(run, batch, size)
+            return
+        run.tracker.counting = False
+        run.probe.start_step()
+
+    return start
+
+
 PARTS: dict[str, list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]] = {
     "memory read": [(cuda.CudaProbe, "read", _first_reading)],
     "peak reset": [(cuda.CudaProbe, "start_step", _nothing)],
@@ -75,9 +91,13 @@ PARTS: dict[str, list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..
     ],
     "generators": [(oom.Generators, "start", _nothing), (oom.Generators, "end", _nothing)],
     "device generator": [(oom.Generators, "start", _host_generators_only)],
+    "cpu tracker": [(runner.Runner, "start", _tracker_started_once)],
+    "boundary": [(boundary.Boundary, "passed", lambda real: lambda self, batch: True)],
+    "row": [(session.RunSession, "publish", _nothing)],
 }
-"""Each per-step part of fit on CUDA: (owner, method, the stand-in made from the real method) for the
-variant that trains without it. On a CPU the probe's parts are not called: those variants are fit as is."""
+"""Each per-step part of fit: (owner, method, the stand-in made from the real method) for the variant that
+trains without it. On a CPU the CUDA probe's parts are not called, nor the tracker on CUDA (without a
+memory budget): those variants are fit as is."""
 
 
 @contextlib.contextmanager
@@ -97,7 +117,7 @@ WORKLOADS = {"mlp-b832": ("mlp", 832), "gpt": ("gpt", None)}
 VARIANTS = {
     "fit": [],
     **{f"without {part}": [part] for part in PARTS},
-    "without all": ["memory read", "peak reset", "loss copy", "generators"],
+    "without all": ["memory read", "peak reset", "loss copy", "generators", "cpu tracker", "boundary", "row"],
 }
 
 
