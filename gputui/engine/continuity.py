@@ -10,8 +10,9 @@ after continues it (a `run_continued` event with its own length), and the run ca
     auto-recover                     a preference of the person at the keys
     what the run changed of its      what the keys chose or an OOM found, for the same model (another
     setting (micro-batch, AMP,       model has settings of its own; what no one changed is the next
-    checkpointing), the planner's    call's arguments'); the planner's predictions and calibration, so
-    predictions                      a call does not trace again what one traced
+    checkpointing), the planner's    call's arguments', and so is what the script passes differently
+    predictions                      from its last call); the planner's predictions and calibration, so
+                                     a call does not trace again what one traced
 
 Each call's own figures are still its own (FitResult): the counters at its start are kept to tell.
 """
@@ -42,6 +43,7 @@ class Setting:
     amp: str | None
     checkpointing: bool | None
     planner: dict[str, Any] | None  # Predictions.state_dict(cache=True)
+    arguments: tuple[int | None, str, bool] | None = None  # the run's own (micro-batch, AMP, checkpointing)
 
 
 class Unchanged:
@@ -135,10 +137,19 @@ class SettingNow:
             ck.set(checkpointing)
 
     def take_up(self, setting: Setting | None) -> None:
-        """The setting and the planner's predictions an earlier run on this model ended with, if any."""
-        if setting is not None:
-            self.apply(setting.micro_batch, setting.amp, setting.checkpointing)
-            self.planning.load_state_dict(setting.planner)
+        """The setting and the planner's predictions an earlier run on this model ended with, if any. An
+        argument this run was given other than the earlier run's is the script's choice: it holds (a script
+        that passes micro_batch=8 where its last call passed 16 means 8, whatever that run halved to)."""
+        if setting is None:
+            return
+        micro_batch, amp, checkpointing = setting.micro_batch, setting.amp, setting.checkpointing
+        if setting.arguments is not None:
+            (mb0, amp0, ck0), (mb, amp_now, ck) = setting.arguments, self.started_with
+            micro_batch = micro_batch if mb == mb0 else UNCHANGED
+            amp = amp if amp_now == amp0 else None
+            checkpointing = checkpointing if ck == ck0 else None
+        self.apply(micro_batch, amp, checkpointing)
+        self.planning.load_state_dict(setting.planner)
 
     def changed(self) -> Setting:
         """What this run changed of its setting, and what its planner learnt."""
@@ -148,6 +159,7 @@ class SettingNow:
             amp if amp != amp0 else None,
             ck if ck != ck0 else None,
             self.planning.state_dict(cache=True),
+            self.started_with,
         )
 
 

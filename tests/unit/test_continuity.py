@@ -112,6 +112,22 @@ def test_a_micro_batch_the_key_halved_is_where_the_next_call_on_that_model_start
     assert [s.micro_batch for s in hub.samples()][5:] == [8, 8]
 
 
+def test_an_argument_the_script_changed_since_its_last_call_holds_over_what_that_run_changed(hub):
+    """The key halved 8 to 4; the next call asks for 2 (the script's choice), the one after asks for 2 again
+    and takes up what was changed since (the key doubled it to 4 at the second call's first step), and AMP,
+    passed as before, keeps what the key chose."""
+    model = ConvNet()
+    hub.add_sink(RequestAt(hub, 1, "halve_batch"))
+    hub.add_sink(RequestAt(hub, 1, "set_amp", "bf16"))
+    fit(model, 2, micro_batch=8)
+    hub.add_sink(RequestAt(hub, 1, "double_batch"))
+    second = fit(model, 2, micro_batch=2)
+    third = fit(model, 1, micro_batch=2)
+    assert [s.micro_batch for s in hub.samples()] == [8, 4, 2, 4, 4]
+    assert [s.amp for s in hub.samples()] == ["off", "bf16", "bf16", "bf16", "bf16"]
+    assert second.micro_batch == 4 and third.micro_batch == 4
+
+
 def test_the_planners_predictions_are_carried_to_the_next_call_on_that_model(hub, monkeypatch):
     traces = counted(monkeypatch)
     torch.manual_seed(0)
