@@ -43,7 +43,7 @@ class Setting:
     amp: str | None
     checkpointing: bool | None
     planner: dict[str, Any] | None  # Predictions.state_dict(cache=True)
-    arguments: tuple[int | None, str, bool] | None = None  # the run's own (micro-batch, AMP, checkpointing)
+    arguments: tuple[Any, ...] | None = None  # the run's own (micro_batch, amp, checkpointing), "auto" as given
 
 
 class Unchanged:
@@ -116,10 +116,16 @@ class SettingNow:
     hands the next on the same model and what a checkpoint resumes (gputui.Trainer.load_state_dict)."""
 
     def __init__(
-        self, state: RunState, precision: Precision, checkpointing: Checkpointing, planning: PlanningHook
+        self,
+        state: RunState,
+        precision: Precision,
+        checkpointing: Checkpointing,
+        planning: PlanningHook,
+        arguments: tuple[Any, ...],
     ) -> None:
         self.state, self.precision, self.checkpointing, self.planning = state, precision, checkpointing, planning
-        self.started_with = self.now()  # the arguments': what differs at the end is carried on
+        self.started_with = self.now()  # the arguments' setting: what differs at the end is carried on
+        self.arguments = arguments  # as the script gave them ("auto" is not the whole batch it may become)
 
     def now(self) -> tuple[int | None, str, bool]:
         return self.state.micro_batch, self.precision.mode, self.checkpointing.enabled
@@ -144,9 +150,9 @@ class SettingNow:
             return
         micro_batch, amp, checkpointing = setting.micro_batch, setting.amp, setting.checkpointing
         if setting.arguments is not None:
-            (mb0, amp0, ck0), (mb, amp_now, ck) = setting.arguments, self.started_with
+            (mb0, amp0, ck0), (mb, amp_given, ck) = setting.arguments, self.arguments
             micro_batch = micro_batch if mb == mb0 else UNCHANGED
-            amp = amp if amp_now == amp0 else None
+            amp = amp if amp_given == amp0 else None
             checkpointing = checkpointing if ck == ck0 else None
         self.apply(micro_batch, amp, checkpointing)
         self.planning.load_state_dict(setting.planner)
@@ -159,7 +165,7 @@ class SettingNow:
             amp if amp != amp0 else None,
             ck if ck != ck0 else None,
             self.planning.state_dict(cache=True),
-            self.started_with,
+            self.arguments,
         )
 
 

@@ -213,7 +213,8 @@ class Core:
         self.more = True  # under torchrun: whether every rank has another batch, as the last step said
         self._warned_loss = False
         self._options = o
-        self.setting = SettingNow(state, precision, checkpointing, self.planning)
+        given = (o.micro_batch, o.amp, o.checkpointing)
+        self.setting = SettingNow(state, precision, checkpointing, self.planning, given)
         self.carried = carried(hub)
         self._take_up()
         # The process's steps and samples before this run's: its own are counted from here.

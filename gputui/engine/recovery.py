@@ -5,6 +5,9 @@ this decides what (drop the attempt, the micro-batch to retry at, or the run's e
 from __future__ import annotations
 
 import gc
+import warnings
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -67,18 +70,36 @@ class Recovery:
         """After an OOM: no gradient, no cached block, no counted byte, no draw from a generator and no
         running-statistics update of the failed attempt survives (no full gc either, unless device
         memory is still held: Probe.after_oom)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.generators.restore()
-        self.buffers.restore()
+        for part in self._undo():
+            part()
+
+    def drop_failed_step(self, error: BaseException, first: Callable[[], Any] | None = None) -> None:
+        """drop_step() after the script's own `error`, which stays the one raised (`first`: the strategy's own
+        undo before it): a part that fails too (on a device the error broke, a CUDA device-side assert, every
+        call does) is a note under it, and the parts after it still run (a script that catches the error
+        trains on without the rest of the failed step)."""
+        for part in [first, *self._undo()] if first is not None else self._undo():
+            try:
+                part()
+            except Exception as exc:
+                add_note(error, f"gputui could not undo the failed step ({type(exc).__name__}: {exc})")
+
+    def _undo(self) -> list[Callable[[], Any]]:
         session = self.session
+        parts: list[Callable[[], Any]] = [
+            partial(self.optimizer.zero_grad, set_to_none=True),
+            self.generators.restore,
+            self.buffers.restore,
+        ]
         if session.tracker is not None:
-            session.tracker.reset()
-        session.probe.after_oom(self.state.baseline)
+            parts.append(session.tracker.reset)
+        parts.append(partial(session.probe.after_oom, self.state.baseline))
         if self.shared:
             # A failed attempt's DDP/FSDP objects can sit in an old generation's cycle: one left to the
             # interpreter's exit is torn down after its process group and aborts the process (SIGABRT in
             # 2 of 22 FSDP test launches with the young generations' collection alone, 0 of 15 with this).
-            gc.collect()
+            parts.append(gc.collect)
+        return parts
 
     def recover(self, oom: OomInfo, retries: int, batch: Any = None) -> bool:
         """Decide what follows an OOM; True: retry the batch. Raises FitError when the run must end.
@@ -321,3 +342,12 @@ class Recovery:
             + (", on every rank" if everywhere else "")
             + ": no loss to train"
         )
+
+
+def add_note(error: BaseException, line: str) -> None:
+    """A line under an error that stays the one raised: a note (Python 3.11+), a warning where there are none."""
+    note = getattr(error, "add_note", None)
+    if note is not None:
+        note(line)
+    else:
+        warnings.warn(line, RuntimeWarning, stacklevel=3)

@@ -128,6 +128,17 @@ def test_an_argument_the_script_changed_since_its_last_call_holds_over_what_that
     assert second.micro_batch == 4 and third.micro_batch == 4
 
 
+def test_auto_and_the_whole_batch_are_different_arguments_though_auto_may_choose_the_whole_batch(hub):
+    """micro_batch="auto" on a CPU with no budget chooses the whole batch, as None is: still, a call that asks
+    for the other one than its last is the script's choice (the key's halving is not carried into it)."""
+    for first, then in ((None, "auto"), ("auto", None)):
+        model = ConvNet()
+        hub.add_sink(RequestAt(hub, 1, "halve_batch"))
+        fit(model, 2, micro_batch=first)
+        fit(model, 2, micro_batch=then)
+        assert [s.micro_batch for s in hub.samples()][-4:] == [8, 4, 8, 8], (first, then)
+
+
 def test_the_planners_predictions_are_carried_to_the_next_call_on_that_model(hub, monkeypatch):
     traces = counted(monkeypatch)
     torch.manual_seed(0)

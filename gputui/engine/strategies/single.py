@@ -98,13 +98,9 @@ class Single:
                 return self.recovery.caught(exc, at.phase, size)
             # The script's own loop may catch it and train on: nothing of the failed step may leak into the
             # next (its pieces' gradients, running statistics, counted activations, draws), as after an OOM
-            try:
-                if at.phase == "optimizer":
-                    runner.abandon_optimizer_step()
-                self.recovery.drop_step()
-            except Exception as undo:  # a device the error broke (a CUDA device-side assert) fails this too
-                _note(exc, f"gputui could not undo the failed step ({type(undo).__name__}: {undo})")
             error = cudnn_error(exc)
+            raised = exc if error is None else error
+            self.recovery.drop_failed_step(raised, runner.abandon_optimizer_step if at.phase == "optimizer" else None)
             if error is None:
                 raise
             raise error from exc
@@ -114,10 +110,3 @@ class Single:
 
     def close(self) -> None:
         pass
-
-
-def _note(exc: BaseException, line: str) -> None:
-    """A line under the script's own error, which stays the one raised (Python 3.11's notes; 3.10 has none)."""
-    add_note = getattr(exc, "add_note", None)
-    if add_note is not None:
-        add_note(line)
