@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,7 @@ from .deferred import DeferredLoss
 from .oom import Buffers, Generators
 from .options import FitOptions, is_shared, resolve_device
 from .planhook import PlanningHook
-from .recovery import Recovery
+from .recovery import Recovery, run_past_failures
 from .result import FitError, FitResult
 from .runner import Runner
 from .session import RunSession
@@ -162,12 +163,8 @@ class Core:
             checkpointing.on_inputs = hidden_from_dynamo(session.tracker.note_saved)
         if o.checkpointing is not None:
             checkpointing.set(o.checkpointing)
-        self.session, self.precision, self.checkpointing, self.generators = (
-            session,
-            precision,
-            checkpointing,
-            generators,
-        )
+        self.session, self.precision = session, precision
+        self.checkpointing, self.generators = checkpointing, generators
         self.buffers, self.optimizer = buffers, optimizer
         session.replay_state = lambda: [*generators.kept(), *(buffers.saved or ())]  # the top tensors' gputui replay
         self.state = state = RunState(
@@ -303,6 +300,7 @@ class Core:
             self._start(length)
             restore_signals = self.boundary.install_signals()
             error: str | None = None
+            raised: BaseException | None = None
             try:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.session.tracker is not None:
@@ -312,27 +310,34 @@ class Core:
                 if self.state.stop_reason and not held:
                     self.session.emit("stopped", reason=self.state.stop_reason)
             except FitError as exc:
-                error = str(exc)
-                exc.result = self.result()
+                error, raised = str(exc), exc
+                exc.result = self.result(waits=False)
                 raise
             except BaseException as exc:
-                error = f"{type(exc).__name__}: {exc}"
+                error, raised = f"{type(exc).__name__}: {exc}", exc
                 raise
             finally:
                 if error is not None:
                     self.session.emit("error", message=error)
-                self.planning.abandon("the run ended before the plan was complete")
-                restore_signals()
-                self.generators.close()
-                self.checkpointing.remove()
-                self.strategy.close()
-                self.session.close()
-                self.state.grad_norms.last()  # the last steps' norms: a skipped one is said before the end
-                self._end(error)
+                ends = (
+                    partial(self.planning.abandon, "the run ended before the plan was complete"),
+                    restore_signals,
+                    self.generators.close,
+                    self.checkpointing.remove,
+                    self.strategy.close,
+                    self.session.close,
+                    self.state.grad_norms.last,  # the last steps' norms: a skipped one is said before the end
+                    partial(self._end, error),
+                )
+                if raised is None:
+                    for end in ends:
+                        end()
+                else:  # the error stays the one raised, and the run's end is said (the metrics file's end line)
+                    run_past_failures(ends, raised, "end the run cleanly")
 
     def _end(self, error: str | None) -> None:
         """The run's part ends; the process's run goes on until the script ends (continuity.py)."""
-        summary = self.result().summary(error)
+        summary = self.result(waits=error is None).summary(error)
         self.session.emit("part_ended", by=self.by, steps=summary.steps, samples=summary.samples)
         self._metrics.end(summary)
         state, session = self.state, self.session
@@ -374,7 +379,8 @@ class Core:
             **(group.identity() if group is not None else {}),
         )
 
-    def result(self) -> FitResult:
+    def result(self, waits: bool = True) -> FitResult:
+        """The figures so far; the last loss waited for, or (not `waits`: an error broke the device) the last read."""
         state, group = self.state, self.group
         return FitResult(
             rank=group.rank if group is not None else 0,
@@ -383,7 +389,7 @@ class Core:
             epochs=state.epochs_done,
             samples=state.samples - self.first_samples,
             micro_batch=state.micro_batch_now() if state.batch_size else state.micro_batch,
-            loss=self.runner.losses.last(),
+            loss=self.runner.losses.last() if waits else self.runner.losses.latest,
             events=[e for e in self.session.events or () if e.name != "part_ended"],  # the return itself
             stopped=state.stop_reason,
             amp=self.precision.mode,

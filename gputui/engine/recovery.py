@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -78,11 +78,7 @@ class Recovery:
         undo before it): a part that fails too (on a device the error broke, a CUDA device-side assert, every
         call does) is a note under it, and the parts after it still run (a script that catches the error
         trains on without the rest of the failed step)."""
-        for part in [first, *self._undo()] if first is not None else self._undo():
-            try:
-                part()
-            except Exception as exc:
-                add_note(error, f"gputui could not undo the failed step ({type(exc).__name__}: {exc})")
+        run_past_failures([first, *self._undo()] if first is not None else self._undo(), error, "undo the failed step")
 
     def _undo(self) -> list[Callable[[], Any]]:
         session = self.session
@@ -342,6 +338,17 @@ class Recovery:
             + (", on every rank" if everywhere else "")
             + ": no loss to train"
         )
+
+
+def run_past_failures(parts: Iterable[Callable[[], Any]], error: BaseException, what: str) -> None:
+    """Each of `parts`, though one fails, while `error` is on its way out: on a device the error broke (a
+    CUDA device-side assert) every call fails, and each failure is a note under `error`, not the error
+    raised in its place."""
+    for part in parts:
+        try:
+            part()
+        except Exception as exc:
+            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {exc})")
 
 
 def add_note(error: BaseException, line: str) -> None:

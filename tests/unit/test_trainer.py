@@ -25,6 +25,7 @@ from helpers import (
 )
 
 import gputui
+from gputui.engine import deferred
 from gputui.engine.trainer import STATE_VERSION
 
 GOOD_STATE = {
@@ -300,6 +301,34 @@ def test_a_step_error_stays_the_one_raised_when_the_step_cannot_be_undone(hub):
         (note,) = err.value.__notes__
         assert note.startswith("gputui could not undo the failed step (RuntimeError: ")
     assert tracker.activations == 0  # the undo's parts after the one that failed still ran
+
+
+def test_a_device_the_error_broke_still_ends_the_run_with_the_scripts_error(hub, monkeypatch):
+    """After a CUDA device-side assert every wait on the device fails, the run's end's too (stood in for here
+    by a loss reader whose wait raises): fit raises the script's error, and the run's end record says it."""
+
+    def broken(self):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(deferred.DeferredLoss, "last", broken)
+    calls = 0
+
+    def failing(model, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise ValueError("label 7 out of range")
+        return conv_step(model, batch)
+
+    model = ConvNet()
+    with pytest.raises(ValueError) as err:
+        gputui.fit(model, conv_batches(3, 4), failing, sgd(model))
+    assert str(err.value) == "label 7 out of range"
+    if sys.version_info >= (3, 11):
+        (note,) = err.value.__notes__
+        assert note == "gputui could not end the run cleanly (RuntimeError: CUDA error: device-side assert triggered)"
+    hub.finish()
+    assert hub.summary.error == "ValueError: label 7 out of range" and hub.summary.steps == 1
 
 
 def test_after_an_error_in_the_optimizer_step_under_fp16_the_next_steps_train(hub):
