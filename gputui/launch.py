@@ -158,6 +158,8 @@ def run_script(
     except (FitError, SettingsError) as exc:
         failure = str(exc)
         err.write(f"gputui: error: {exc}\n")
+        for note in getattr(exc, "__notes__", ()):  # what gputui could not undo or end after it
+            err.write(f"  {note}\n")
         return 1
     except SyntaxError as exc:
         where = f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename

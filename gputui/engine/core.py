@@ -320,8 +320,8 @@ class Core:
                 if error is not None:
                     self.session.emit("error", message=error)
                 ends = (
+                    restore_signals,  # first: a second Ctrl-C in what follows is the script's again
                     partial(self.planning.abandon, "the run ended before the plan was complete"),
-                    restore_signals,
                     self.generators.close,
                     self.checkpointing.remove,
                     self.strategy.close,
@@ -380,8 +380,8 @@ class Core:
         )
 
     def result(self, waits: bool = True) -> FitResult:
-        """The figures so far; the last loss waited for, or (not `waits`: an error broke the device) the last read."""
-        state, group = self.state, self.group
+        """The figures so far; not `waits` (after an error): the last loss read if the device answers no wait."""
+        state, group, losses = self.state, self.group, self.runner.losses
         return FitResult(
             rank=group.rank if group is not None else 0,
             world_size=group.world_size if group is not None else 1,
@@ -389,7 +389,7 @@ class Core:
             epochs=state.epochs_done,
             samples=state.samples - self.first_samples,
             micro_batch=state.micro_batch_now() if state.batch_size else state.micro_batch,
-            loss=self.runner.losses.last() if waits else self.runner.losses.latest,
+            loss=losses.last() if waits else losses.last_or_latest(),
             events=[e for e in self.session.events or () if e.name != "part_ended"],  # the return itself
             stopped=state.stop_reason,
             amp=self.precision.mode,

@@ -5,7 +5,7 @@ this decides what (drop the attempt, the micro-batch to retry at, or the run's e
 from __future__ import annotations
 
 import gc
-import warnings
+import sys
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -348,13 +348,17 @@ def run_past_failures(parts: Iterable[Callable[[], Any]], error: BaseException, 
         try:
             part()
         except Exception as exc:
-            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {exc})")
+            said = str(exc).strip().splitlines() or [""]  # a CUDA error's advice runs on for lines: its first
+            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {said[0]})")
 
 
 def add_note(error: BaseException, line: str) -> None:
-    """A line under an error that stays the one raised: a note (Python 3.11+), a warning where there are none."""
+    """A line under an error that stays the one raised, once: a note (Python 3.11+), on stderr where there are
+    none (not a warning: one turned into an error would replace the error it is about)."""
+    if line in getattr(error, "__notes__", ()):
+        return
     note = getattr(error, "add_note", None)
     if note is not None:
         note(line)
     else:
-        warnings.warn(line, RuntimeWarning, stacklevel=3)
+        sys.stderr.write(f"gputui: {line}\n")

@@ -2,8 +2,11 @@
 (token-weighted micro-batches, OOM replay), resumes from its state_dict() as if never stopped, and says
 when a stop was asked for so the loop can leave."""
 
+import contextlib
 import copy
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -301,6 +304,31 @@ def test_a_step_error_stays_the_one_raised_when_the_step_cannot_be_undone(hub):
         (note,) = err.value.__notes__
         assert note.startswith("gputui could not undo the failed step (RuntimeError: ")
     assert tracker.activations == 0  # the undo's parts after the one that failed still ran
+
+
+def test_a_failed_steps_tensors_go_with_it_not_at_a_collection(hub):
+    """The error's traceback holds the step's frames, their tensors with them: no frame of gputui's may hold
+    the error in turn (a cycle only the collector frees), or a script that catches it and trains on keeps the
+    failed step's memory (on a GPU: an OOM at the next step). fit's end too."""
+    held = []
+
+    def failing(model, batch):
+        activation = model(batch[0])
+        held.append(weakref.ref(activation))
+        raise ValueError("bad sample")
+
+    model = ConvNet()
+    gc.disable()
+    try:
+        with gputui.Trainer(model, sgd(model), failing) as trainer:
+            with contextlib.suppress(ValueError):
+                trainer.step(conv_batches(1, 4)[0])
+            assert held[-1]() is None, "the Trainer's failed step is still held"
+        with contextlib.suppress(ValueError):
+            gputui.fit(model, conv_batches(1, 4), failing, sgd(model))
+        assert held[-1]() is None, "fit's failed run is still held"
+    finally:
+        gc.enable()
 
 
 def test_a_device_the_error_broke_still_ends_the_run_with_the_scripts_error(hub, monkeypatch):

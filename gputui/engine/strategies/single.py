@@ -99,11 +99,15 @@ class Single:
             # The script's own loop may catch it and train on: nothing of the failed step may leak into the
             # next (its pieces' gradients, running statistics, counted activations, draws), as after an OOM
             error = cudnn_error(exc)
-            raised = exc if error is None else error
-            self.recovery.drop_failed_step(raised, runner.abandon_optimizer_step if at.phase == "optimizer" else None)
+            self.recovery.drop_failed_step(
+                exc if error is None else error, runner.abandon_optimizer_step if at.phase == "optimizer" else None
+            )
             if error is None:
                 raise
-            raise error from exc
+            try:
+                raise error from exc
+            finally:  # the frame its traceback holds would hold it: the failed step's tensors kept to a collection
+                del error
         assert loss_sum is not None  # the batch had at least one piece with items
         runner.done(loss_sum, len(pieces))
         return None
