@@ -29,6 +29,7 @@ from .diagnosis import remedies, user_frame
 from .fetched import Fetched
 from .oom import is_oom
 from .patches import patches
+from .result import first_line
 from .session import RunSession
 
 NEEDS_FIT = "the script runs its own loop: this needs gputui.fit (README: Adopting fit)"
@@ -250,7 +251,7 @@ class Observer:
             "diagnosis": True,
             "phase": phase,
             "where": where,
-            "message": str(exc).strip().splitlines()[0],
+            "message": first_line(exc),
             "memory": memory.to_json() if memory else None,
             "top": top["rows"][:8],
             "remedies": remedies(phase, memory),

@@ -15,7 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
-from .result import FitError
+from .result import FitError, first_line
 
 # Errors that are out-of-memory in all but type: cuBLAS/cuDNN, the MPS backend and the CPU
 # allocator raise plain RuntimeErrors when memory cannot be had.
@@ -70,7 +70,7 @@ def cudnn_error(exc: BaseException) -> FitError | None:
     return FitError(
         "cuDNN has no kernel for this configuration (CUDNN_STATUS_NOT_SUPPORTED with memory far from full, so "
         "not an out-of-memory): a dtype, layout or size it does not support, or a non-contiguous input; "
-        f"torch.backends.cudnn.enabled = False runs the step without cuDNN [{str(exc).strip().splitlines()[0]}]"
+        f"torch.backends.cudnn.enabled = False runs the step without cuDNN [{first_line(exc)}]"
     )
 
 
@@ -80,7 +80,7 @@ def drop(exc: BaseException) -> str:
     The traceback keeps every frame of the failed step alive, and with them its activations:
     the classic reason memory does not come back after a caught OOM.
     """
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = first_line(exc)
     traceback.clear_frames(exc.__traceback__)
     exc.__traceback__ = None
     exc.__context__ = None

@@ -17,7 +17,7 @@ from ..units import format_bytes
 from .boundary import Boundary
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planhook import PlanningHook
-from .result import Agreed, Failure, FitError
+from .result import Agreed, Failure, FitError, first_line
 from .session import RunSession
 from .state import RunState
 
@@ -348,8 +348,7 @@ def run_past_failures(parts: Iterable[Callable[[], Any]], error: BaseException, 
         try:
             part()
         except Exception as exc:
-            said = str(exc).strip().splitlines() or [""]  # a CUDA error's advice runs on for lines: its first
-            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {said[0]})")
+            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {first_line(exc)})")
 
 
 def add_note(error: BaseException, line: str) -> None:

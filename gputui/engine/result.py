@@ -95,3 +95,9 @@ class Agreed:
     """The reduced value of the gradient element the marker took (verdict.py), put back after it."""
     every: int = 0
     """Steps between two exchanges when no rank has anything to say (rank 0's proposal)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line (a CUDA error's advice runs on for lines); its type where it says nothing."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..result import FitError
+from ..result import FitError, first_line
 
 _warned_sampler = False
 _group_ours = False  # the default process group is one a fit made (this process's first, or after an abort)
@@ -112,7 +112,7 @@ def collective(op: Any, *args: Any) -> None:
 
 def lost_ranks(exc: BaseException, where: str = "") -> FitError:
     """The FitError of a rank whose collective failed because another rank left (`where`: " in ...")."""
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    message = first_line(exc)
     rank = dist.get_rank()
     who = f"rank {1 - rank}" if dist.get_world_size() == 2 else "one"  # of two, the other one
     why = f"{who} was killed, crashed or timed out; its output says why"
