@@ -78,7 +78,23 @@ class Recovery:
         undo before it): a part that fails too (on a device the error broke, a CUDA device-side assert, every
         call does) is a note under it, and the parts after it still run (a script that catches the error
         trains on without the rest of the failed step)."""
-        run_past_failures([first, *self._undo()] if first is not None else self._undo(), error, "undo the failed step")
+        run_past_failures([first, *self._undo()] if first is not None else self._undo(), error, UNDO)
+
+    def drop_for(self, failure: Failure | None) -> None:
+        """drop_step() under torchrun on the way to the FitError every rank raises, this rank's `failure` said
+        or to be said at an exchange: a part that fails (its device broken by the failure) is one of the
+        failure's notes, under that FitError, not an error in its place. No failure: drop_step()."""
+        if failure is None:
+            self.drop_step()
+            return
+        for line in past_failures(self._undo(), UNDO):
+            if line not in failure.notes:
+                failure.notes.append(line)
+
+    def dropped(self, error: FitError) -> FitError:
+        """`error`, raised by this rank after its failed step, that step undone first (past failures: notes)."""
+        run_past_failures(self._undo(), error, UNDO)
+        return error
 
     def _undo(self) -> list[Callable[[], Any]]:
         session = self.session
@@ -306,6 +322,8 @@ class Recovery:
         if failure is not None:
             error = FitError(failure.message)
             error.__cause__ = failure.error
+            for note in failure.notes:
+                add_note(error, note)
             return error
         if agreed.fatal:
             ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"
@@ -340,15 +358,26 @@ class Recovery:
         )
 
 
+UNDO = "undo the failed step"
+
+
 def run_past_failures(parts: Iterable[Callable[[], Any]], error: BaseException, what: str) -> None:
     """Each of `parts`, though one fails, while `error` is on its way out: on a device the error broke (a
     CUDA device-side assert) every call fails, and each failure is a note under `error`, not the error
     raised in its place."""
+    for line in past_failures(parts, what):
+        add_note(error, line)
+
+
+def past_failures(parts: Iterable[Callable[[], Any]], what: str) -> list[str]:
+    """Each of `parts`, though one fails: the lines saying what failed (`what`: what gputui could not do)."""
+    lines = []
     for part in parts:
         try:
             part()
         except Exception as exc:
-            add_note(error, f"gputui could not {what} ({type(exc).__name__}: {first_line(exc)})")
+            lines.append(f"gputui could not {what} ({type(exc).__name__}: {first_line(exc)})")
+    return lines
 
 
 def add_note(error: BaseException, line: str) -> None:

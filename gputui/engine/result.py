@@ -71,6 +71,8 @@ class Failure:
     message: str
     oom: bool
     error: BaseException | None = None
+    notes: list[str] = field(default_factory=list)
+    """What gputui could not undo of the failed step, said under the FitError (Recovery.drop_for)."""
 
 
 @dataclass

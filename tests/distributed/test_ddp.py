@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,11 @@ def count_tokens(batch):
     return (batch["labels"] != -100).sum()
 
 
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
 def conv_model():  # channels_last: the gradient DDP's last bucket starts with is not contiguous
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -106,7 +112,7 @@ SCRIPT = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
 from common import make_model, global_batches, shard, step, token_model, token_batches, token_shard, token_step
-from common import conv_model, count_tokens, masked_step
+from common import bn_model, conv_model, count_tokens, masked_step
 import gputui
 from gputui.telemetry import hub as hubs
 from helpers import RequestAt
@@ -139,6 +145,7 @@ def run(name, batches, make_hub=None, calls=(), wrap=False, optimizer=torch.opti
         result = gputui.fit(fitted, batches, step, optimizer, **kwargs)
     except gputui.FitError as exc:
         record["error"] = str(exc)
+        record["notes"] = getattr(exc, "__notes__", [])
         result = exc.result
     record.update(
         steps=result.steps, epochs=result.epochs, stopped=result.stopped, rank=result.rank,
@@ -346,6 +353,18 @@ for name in sys.argv[3:]:
         plain, step = step, failing
         run(name, mine)
         step = plain
+    elif name == "broken-step-error":  # as step-error, and gputui's undo of rank 1's step fails (a broken device)
+        calls = []
+        def breaking(model, batch, plain=step):
+            calls.append(1)
+            if rank == 1 and len(calls) == 2:
+                bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d))
+                bn.running_mean.resize_(1)  # its saved copy no longer fits: putting it back fails
+                raise ValueError("bad batch")
+            return plain(model, batch)
+        plain, step = step, breaking
+        run(name, mine, make_model=bn_model)
+        step = plain
     elif name.startswith("opt-oom-"):  # rank 1's optimizer.step() runs out of memory in step 1, or the last
         class Failing(torch.optim.SGD):
             calls = 0
@@ -381,10 +400,6 @@ for name in sys.argv[3:]:
             yield from mine[1:]
         run(name, broken())
     elif name == "wrapped-bn":  # the script's own DDP, buffers synced (default); rank 1's model OOMs in step 2
-        def bn_model():
-            torch.manual_seed(0)
-            nn = torch.nn
-            return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
         calls = []
         def hook(module, args):
             calls.append(1)
@@ -599,7 +614,10 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     rebuild its buckets in: fit has done it already), its optimizer.step() runs out of memory (in
     step 1, or in the last step, said at the closing exchange), or its data breaks: both ranks
     raise FitError at the same step, each saying why, and nothing hangs."""
-    scenarios = ("oom-None", "oom-1", "step-error", "opt-oom-1", "opt-oom-last", "trainer-opt-oom-last", "data-error")
+    scenarios = (
+        *("oom-None", "oom-1", "step-error", "broken-step-error", "opt-oom-1", "opt-oom-last"),
+        *("trainer-opt-oom-last", "data-error"),
+    )
     out = launch(tmp_path, "own-group", *scenarios, env={"BUDGET": "584B"})
     for name in scenarios:
         both = records(out, name)
@@ -613,6 +631,14 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     assert [e[3] for e in records(out, "oom-None")[1]["ooms"]] == [2, 1, None], "halved alone twice, then gave up"
     assert "ValueError on rank 1, step 2: bad batch" in records(out, "step-error")[1]["error"]
     assert records(out, "step-error")[0]["steps"] == 1
+    # Rank 1's undo fails too (as on a device its error broke): still gputui's FitError, the undo a note under it
+    broken = records(out, "broken-step-error")
+    assert [r["steps"] for r in broken] == [1, 1], broken
+    assert "ValueError on rank 1, step 2: bad batch" in broken[1]["error"]
+    if sys.version_info >= (3, 11):
+        assert broken[1]["notes"], broken[1]
+        assert all(n.startswith("gputui could not undo the failed step (RuntimeError: ") for n in broken[1]["notes"])
+        assert broken[0]["notes"] == [], "rank 0 undid its step"
     for name, steps, said in (
         ("opt-oom-1", 1, "at step 2"),
         ("opt-oom-last", 2, "after step 2"),

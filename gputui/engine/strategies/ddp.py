@@ -110,7 +110,7 @@ class Ddp(Rank):
                         self.start_exchange(here=batch is not None, has_next=more, every=self._every_proposal())
                     agreed = self._exchanged(self.finish_exchange())
                     if agreed.fatal or not agreed.all_have_batch:
-                        recovery.drop_step()
+                        recovery.drop_for(self.agreement.failure)
                         raise recovery.job_error(self.agreement.failure, agreed)
                 if self.agreement.failure is not None and not told:  # after the exchange went out, or none did
                     raise self._failed_before_synced(agreed, more, quiet)
@@ -119,7 +119,7 @@ class Ddp(Rank):
                 d.rebuild_buckets()
                 if done:
                     return self._all_have_next
-                recovery.drop_step()  # every rank: the step's gradients, draws and running statistics
+                recovery.drop_for(self.agreement.failure)  # every rank: the step's gradients, draws, statistics
                 if oom is not None:  # the planner's pick for this rank's share, or half (_synced checked it can)
                     recovery.recover(oom, attempt, batch)
         finally:
@@ -204,7 +204,7 @@ class Ddp(Rank):
         d.begin_synced(mean=not quiet)
         d.failed_synced(fatal=True)
         d.expect_backward()
-        recovery.drop_step()
+        recovery.drop_for(failure)
         self._complete_buckets(None, failure.message)
         told = self._verdict(more, quiet, agreed.items)[3]  # the others read theirs: this one's says what they do
         return recovery.job_error(failure, told or agreed)
@@ -284,10 +284,10 @@ class Ddp(Rank):
             halvable = state.sizing.can_halve(failed.micro_batch)
             fatal = not (oom and state.auto_recover and halvable and attempt <= MAX_RETRIES)
             if not d.failed_synced(fatal):  # after its gradients went out: the others step on them
-                recovery.drop_step()
-                self.agreement.failure = Failure(
+                self.agreement.failure = failure = Failure(
                     f"{failed.message} after the synced backward on rank {d.rank}", oom=oom
                 )
+                recovery.drop_for(failure)
                 return False, None  # said at the next exchange, where every rank stops
             # What the zeros must reach, then the failed graph let go before they are allocated: this
             # rank has just run out of memory.
@@ -303,16 +303,15 @@ class Ddp(Rank):
         failures, fatals, ranks, told = self._verdict(more, quiet, agreed.items)
         if told is not None and told.fatal:  # a rank's failure before its synced backward, said only now
             del weighted
-            recovery.drop_step()
+            recovery.drop_for(self.agreement.failure)
             raise recovery.job_error(self.agreement.failure, told)
         if failures:
             del weighted
             if not fatals:
                 return False, failed
-            recovery.drop_step()
-            if failed is not None:
-                raise recovery.synced_failure(failed, fatal, d.rank)
-            raise recovery.others_failed(ranks)
+            raise recovery.dropped(
+                recovery.synced_failure(failed, fatal, d.rank) if failed is not None else recovery.others_failed(ranks)
+            )
         assert weighted is not None
         runner.piece_done()
         local = weighted.detach().float() / scale if scale else weighted.detach().float()  # this rank's mean
