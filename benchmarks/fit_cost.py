@@ -76,7 +76,8 @@ def _tracker_started_once(real: Callable[..., Any]) -> Callable[..., Any]:
             real(run, batch, size)
             return
         run.tracker.counting = False
-        run.probe.start_step()
+        if run.probe.start_step is not None:  # the CUDA probe's peak reset (CPU: none)
+            run.probe.start_step()
 
     return start
 

@@ -306,7 +306,7 @@ def thrashing_allocator(monkeypatch) -> None:
     def thrashing_probe(device, tracker, **kwargs):
         probe = real(device, tracker, **kwargs)
         read, count = probe.read, iter(range(0, 1000, 2))
-        probe.read = probe.step_reading = lambda: dataclasses.replace(read(), alloc_retries=next(count))
+        probe.read = probe.step_reading = lambda *now: dataclasses.replace(read(), alloc_retries=next(count))
         return probe
 
     monkeypatch.setattr(session, "for_device", thrashing_probe)

@@ -7,6 +7,8 @@ it is watched again."""
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,9 @@ class Aside:
     def __init__(self, observer: Any) -> None:
         self.observer = observer
         self.thread: int | None = None  # the thread whose stack the hooks are off while fit runs
+        # Given each step's record instead of its sample (fit's steps are not made samples for nothing), it
+        # keeps none: a deque that holds nothing, its append a C call (no frame a step).
+        self.on_record: Callable[[StepRecord], None] = deque[StepRecord](maxlen=0).append
 
     def on_start(self, info: RunInfo) -> None:
         if not info.observed:
@@ -29,9 +34,6 @@ class Aside:
 
     def on_sample(self, sample: StepSample) -> None:
         pass
-
-    def on_record(self, record: StepRecord) -> None:
-        pass  # given instead of on_sample's sample: fit's steps are not made into samples for nothing
 
     def on_event(self, event: Event) -> None:
         """A fit call or Trainer after the first continues the run (engine/continuity.py)."""

@@ -70,7 +70,7 @@ class Boundary:
         """One process's boundary: apply every queued control; while paused, wait here (a plan asked
         for is made meanwhile, on `batch`). False: stop before the next step."""
         hub = self.hub
-        if hub.controls or self.session.paused:  # most boundaries: nothing to apply or wait for
+        if hub.controls.queued or self.session.paused:  # most boundaries: nothing to apply or wait for
 
             def apply() -> None:
                 self.apply_queued()

@@ -246,11 +246,11 @@ class Core:
         if batch is not None:
             self.planning.at_boundary(batch)
         more = self._train(batch, has_next if has_next is not None else _ANOTHER)
-        hub.idle_since = time.time()
+        hub.idle_since = now = time.time()
         if more is None:
             return False
         self.more = more
-        self._publish()
+        self._publish(now)
         return True
 
     def stop_asked(self) -> str | None:
@@ -263,9 +263,10 @@ class Core:
             self.boundary.stopping()
         return self.state.stop_reason
 
-    def _publish(self) -> None:
+    def _publish(self, t: float) -> None:
         state = self.state
         memory = self.session.publish(
+            t,
             epoch=state.epoch,
             loss=state.loss,
             batch_size=state.batch_size,

@@ -12,6 +12,7 @@ gputui.fit runs, the observer stands aside.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,6 +186,7 @@ class Observer:
         accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
         self.unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
         session.publish(
+            time.time(),
             epoch=epoch,
             loss=self.loss,
             batch_size=batch,
@@ -208,7 +210,9 @@ class Observer:
 
     def _start_step(self) -> None:
         assert self.session is not None
-        self.session.probe.start_step()
+        start = self.session.probe.start_step
+        if start is not None:
+            start()
         if self.session.tracker is not None:
             self.session.tracker.start_step()
 

@@ -106,7 +106,9 @@ class Runner:
             self.state.shapes = shapes(batch)
             key = (size, self.precision.mode, self.checkpointing.enabled, self.state.shapes)
             tracker.start_step(key, lambda: tensors(batch))
-        self.probe.start_step()
+        start = self.probe.start_step
+        if start is not None:
+            start()
 
     def cut(self, batch: Any, size: int) -> list[Any]:
         """The batch's pieces at `size` (views); the first cut of a run says what cutting changes."""
@@ -229,8 +231,9 @@ class Runner:
     def done(self, loss_sum: torch.Tensor, pieces: int) -> None:
         """After optimizer.step(): the gradients and counted bytes go, the schedule and counters move."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.tracker is not None:
-            self.tracker.reset()
+        tracker = self.tracker
+        if tracker is not None and tracker.counting:  # a step not counted changed no count: no call
+            tracker.reset()
         if self.scheduler is not None:
             self.scheduler.step()
         state = self.state

@@ -273,6 +273,7 @@ class RunSession:
     # -- one step ----------------------------------------------------------------------------------
     def publish(
         self,
+        t: float,
         *,
         epoch: int,
         loss: float | None,
@@ -286,14 +287,14 @@ class RunSession:
         grad_norm: float | None = None,
         exact: bool = False,
     ) -> Memory | None:
-        """Publish the step just counted (`steps`, `samples`) with the memory after it: a new reading where
-        the probe makes one (a few a second; `exact`: after every step, for a planner calibrating
-        against each), else the last one again. Returns the new reading, or None.
+        """Publish the step just counted (`steps`, `samples`), ended at `t` (time.time()), with the memory
+        after it: a new reading where the probe makes one (a few a second; `exact`: after every step, for
+        a planner calibrating against each), else the last one again. Returns the new reading, or None.
 
         What is published is a row of the figures (StepSample's fields in order), appended to the hub's
         rows; the hub makes its record at a flush, and its sample when a reader asks (telemetry/hub.py)."""
         now = time.monotonic()
-        reading = self.probe.read() if exact else self.probe.step_reading()
+        reading = self.probe.read() if exact else self.probe.step_reading(now)
         memory = self.memory = reading or self.memory
         assert memory is not None  # a probe's first step_reading reads
         if now - self._host_t >= HOST_INTERVAL:
@@ -301,7 +302,7 @@ class RunSession:
         hub = self.hub
         hub.rows.append(
             (
-                time.time(),
+                t,
                 self.steps,
                 epoch,
                 loss,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from ..telemetry.sample import Memory
 
 STEP_READ_S = 0.1
@@ -22,10 +20,9 @@ class PacedReadings:
     def read(self) -> Memory:
         raise NotImplementedError
 
-    def step_reading(self) -> Memory | None:
-        """After a step: a reading, or None where the last one (at most STEP_READ_S old, and no other
-        reading, cache freeing or OOM since) stands for it."""
-        now = time.monotonic()
+    def step_reading(self, now: float) -> Memory | None:
+        """After a step, at `now` (time.monotonic(), the publisher's clock): a reading, or None where the
+        last one (at most STEP_READ_S old, and no other reading, cache freeing or OOM since) stands for it."""
         if now - self._step_read_at < STEP_READ_S:
             return None
         memory = self.read()

@@ -219,7 +219,8 @@ class StateTracker:
         self._shape, self._started = (shape, now) if self.counting else (None, 0.0)
         if self.counting:
             self._inputs = {storage_key(t)[0] for t in inputs()}
-        self.peak = self.total if self.counting else max(self.total, last_peak)
+        total = self.params + self.grads + self.optimizer_bytes + self.activations  # self.total, without its call
+        self.peak = total if self.counting else max(total, last_peak)
 
     def breakdown(self) -> dict[str, int]:
         return {
@@ -270,8 +271,8 @@ class CpuProbe(PacedReadings):
         self._last: tuple[tuple[int | None, ...], Memory] | None = None
         self._peak = 0  # the largest step peak since the last reading
 
-    def start_step(self) -> None:
-        """Nothing to reset: the tracker's step is started by whoever drives it."""
+    start_step = None
+    """Nothing to reset at a step's start (a call a step saved): the tracker's step is started by whoever drives it."""
 
     def allocated(self) -> int:
         return self.tracker.total
@@ -279,12 +280,12 @@ class CpuProbe(PacedReadings):
     def capacity(self) -> int | None:
         return self.tracker.budget
 
-    def step_reading(self) -> Memory | None:
+    def step_reading(self, now: float) -> Memory | None:
         """After a step: its peak kept for the next reading, which is made at most every STEP_READ_S."""
         peak = self.tracker.peak
         if peak > self._peak:
             self._peak = peak
-        return super().step_reading()
+        return super().step_reading(now)
 
     def read(self) -> Memory:
         """A reading now, its peak the largest of the steps since the last reading; the last record again

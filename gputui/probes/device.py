@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -14,11 +15,15 @@ class Probe(Protocol):
     name: str
     over_limit: dict[str, int] | None  # a CUDA cap that memory already held exceeds (cuda.py)
 
-    def start_step(self) -> None: ...
+    @property
+    def start_step(self) -> Callable[[], None] | None: ...  # at a step's start; None: nothing to do (no call)
+
     def allocated(self) -> int: ...
     def capacity(self) -> int | None: ...
     def read(self) -> Memory: ...
-    def step_reading(self) -> Memory | None: ...  # after a step: None where the last reading stands
+    def step_reading(
+        self, now: float
+    ) -> Memory | None: ...  # after a step (now: monotonic): None where the last reading stands
     def free_cache(self) -> dict[str, Any]: ...
     def after_oom(self, baseline: int) -> None: ...
     def close(self) -> None: ...

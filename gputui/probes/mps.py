@@ -20,8 +20,7 @@ class MpsProbe:
         self.tracker = tracker
         self.total = torch.mps.recommended_max_memory() if hasattr(torch.mps, "recommended_max_memory") else None
 
-    def start_step(self) -> None:
-        pass
+    start_step = None  # nothing to reset at a step's start
 
     def allocated(self) -> int:
         return torch.mps.current_allocated_memory()
@@ -39,7 +38,7 @@ class MpsProbe:
             **(self.tracker.breakdown() if self.tracker is not None else {}),
         )
 
-    def step_reading(self) -> Memory:
+    def step_reading(self, now: float) -> Memory:
         return self.read()  # two counters: no cost to save
 
     def free_cache(self) -> dict[str, Any]:

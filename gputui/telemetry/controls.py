@@ -85,39 +85,40 @@ class Controls:
     """Thread-safe queue of Control requests; any thread may request, the training thread drains."""
 
     def __init__(self) -> None:
-        self._queue: deque[Control] = deque()
+        self.queued: deque[Control] = deque()
+        """Requests not taken yet: its truth is whether one waits (a C-level test, at every step boundary)."""
         self._ready = threading.Condition()
 
     def request(self, action: str, value: Any = None, *, source: str = "api") -> Control:
         """Queue a request (validated here, so a bad one fails in the caller) and return it."""
         control = Control(action, value, source)
         with self._ready:
-            self._queue.append(control)
+            self.queued.append(control)
             self._ready.notify_all()
         return control
 
     def drain(self) -> list[Control]:
         """Everything requested so far, oldest first. Cheap when nothing is queued: the per-step path."""
-        if not self._queue:
+        if not self.queued:
             return []
         with self._ready:
-            items = list(self._queue)
-            self._queue.clear()
+            items = list(self.queued)
+            self.queued.clear()
         return items
 
     def has(self, action: str) -> bool:
         """Whether a request for `action` is queued (not taken)."""
-        if not self._queue:
+        if not self.queued:
             return False
         with self._ready:
-            return any(control.action == action for control in self._queue)
+            return any(control.action == action for control in self.queued)
 
     def wait(self, timeout: float) -> bool:
         """Block until a request is queued or the timeout passes; True if one is waiting."""
         with self._ready:
-            if not self._queue:
+            if not self.queued:
                 self._ready.wait(timeout)
-            return bool(self._queue)
+            return bool(self.queued)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self.queued)

@@ -47,7 +47,9 @@ class Sink(Protocol):
 
     A sink that has an `on_record(record: StepRecord)` method is given each step's record instead
     of its sample, in the batches the hub flushes: it makes the sample only if and when it needs it
-    (the progress line, a few times a second; the socket's server, on its own thread). A sink given
+    (the progress line, a few times a second; the socket's server, on its own thread). One with a
+    `flushed()` method is called once after a flush's steps: its on_record may then be a C call that
+    keeps the record (a deque's append: no Python frame a step), and flushed() acts on the batch. A sink given
     samples is given each as its step ends: while one is added, the hub flushes every step (a sink
     that acts on a step, as a test's that steers at step N, needs it then)."""
 
@@ -100,6 +102,7 @@ class Hub:
         self._emitted = 0
         self._sinks: list[Sink] = []
         self._step_calls: list[tuple[Sink, Callable[[StepRecord], None]]] = []  # the sinks' per-step calls
+        self._flushed: list[tuple[Sink, Callable[[], None]]] = []  # the sinks' calls after a flush's steps
         self.gpus: GpuReading | None = None  # the latest reading of every GPU, once something reads them
         self.feeds_gpus = False  # whether an NVML poller feeds this hub (probes.nvml.feed): started once
         self.info: RunInfo | None = None
@@ -121,12 +124,14 @@ class Hub:
         with self._lock:
             self._sinks = [*self._sinks, sink]
             self._step_calls = [(s, _step_call(s)) for s in self._sinks]
+            self._flushed = [(s, s.flushed) for s in self._sinks if hasattr(s, "flushed")]
             self._waits()
 
     def remove_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks = [s for s in self._sinks if s is not sink]
             self._step_calls = [(s, call) for s, call in self._step_calls if s is not sink]
+            self._flushed = [(s, call) for s, call in self._flushed if s is not sink]
             self._waits()
 
     def _waits(self) -> None:
@@ -193,9 +198,14 @@ class Hub:
 
     def _drain(self) -> None:
         """The rows into records, their rates filled in, in the ring and owed to the sinks; under the lock."""
-        rows, fill = self.rows, self._rate.fill
-        while rows:
-            self._keep(StepRecord(fill(rows.popleft())))
+        rows, fill, samples, owed = self.rows, self._rate.fill, self._samples, self._owed
+        drained = 0
+        while rows:  # _keep() written out: a batch of rows at a time, on the training thread
+            record = StepRecord(fill(rows.popleft()))
+            samples.append(record)
+            owed.append(record)
+            drained += 1
+        self._published += drained
 
     def clear_rate(self) -> None:
         """The time from the last step published to the next is not training time (a pause, an evaluation,
@@ -213,6 +223,8 @@ class Hub:
         """Every record owed to the sinks, in order; under `_calling` (_call() written out: a batch of steps
         at a time)."""
         owed = self._owed
+        if not owed:
+            return
         while owed:
             record = owed.popleft()
             for sink, call in self._step_calls:
@@ -220,6 +232,11 @@ class Hub:
                     call(record)
                 except SinkFailed as failure:
                     self._failed(sink, failure, record.step)
+        for sink, flushed in self._flushed:
+            try:
+                flushed()
+            except SinkFailed as failure:
+                self._failed(sink, failure)
 
     def emit(self, event: Event) -> None:
         with self._calling:  # no flush of another thread's between the steps before it and the event

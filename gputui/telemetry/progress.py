@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import TextIO
 
@@ -58,7 +59,9 @@ class ProgressLine:
         self.interval = interval if interval is not None else (0.1 if self.tty else 2.0)
         self._info: RunInfo | None = None
         self._last_draw = 0.0
-        self._pending: StepRecord | None = None  # the newest step not drawn yet
+        self._pending: deque[StepRecord] = deque(maxlen=1)  # the newest step not drawn yet
+        self.on_record = self._pending.append
+        """A step, kept (a C call, no frame: the hub calls it for every step); flushed() draws it."""
         self._drawn = False  # a line without a newline is on the terminal
         self._first = True  # the next step is a part's first (a fit call's, a Trainer's): drawn at once
         self.quiet = False
@@ -90,7 +93,7 @@ class ProgressLine:
         else:
             self._write(line + "\n")
         self._last_draw = time.monotonic()
-        self._pending = None
+        self._pending.clear()
 
     def on_start(self, info: RunInfo) -> None:
         self._info = info
@@ -114,22 +117,21 @@ class ProgressLine:
 
     def on_sample(self, sample: StepSample) -> None:
         self.on_record(StepRecord.of(sample))
+        self.flushed()
 
-    def on_record(self, record: StepRecord) -> None:
-        """A step: drawn if it is the first or the last drawing is `interval` old (its sample made
-        only then), else kept for the end."""
-        if self.quiet:
+    def flushed(self) -> None:
+        """After the hub's flush: its newest step drawn if it is a part's first or the last drawing is
+        `interval` old (its sample made only then), else kept for the next flush or the end."""
+        pending = self._pending
+        if self.quiet or not pending:
             return
         if self._trainer is not None and threading.get_ident() != self._trainer:
             # Steps the server thread flushed while the script works between steps (printing, perhaps):
             # the training thread draws them, never in the middle of one of the script's lines.
-            self._pending = record
             return
         if self._first or time.monotonic() - self._last_draw >= self.interval:
             self._first = False
-            self._draw(record.sample())
-        else:
-            self._pending = record
+            self._draw(pending[0].sample())
 
     def on_event(self, event: Event) -> None:
         if self.quiet or event.name == "error":  # it surfaces as the exception fit() raises
@@ -152,8 +154,8 @@ class ProgressLine:
 
     def _last_line(self) -> None:
         """The last step drawn (if the interval held it back), its line ended."""
-        if self._pending is not None:
-            self._draw(self._pending.sample())
+        if self._pending:
+            self._draw(self._pending[0].sample())
         self._clear() if not self.tty else self._write("\n" if self._drawn else "")
         self._drawn = False
 

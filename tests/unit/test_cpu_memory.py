@@ -1,5 +1,7 @@
 """Tracked CPU bytes are real, and the budget raises a real torch.OutOfMemoryError inside the step."""
 
+import time
+
 import pytest
 import torch
 from helpers import ConvNet, conv_batches, conv_step
@@ -81,18 +83,22 @@ def test_readings_between_steps_keep_the_largest_step_peak_for_the_next(monkeypa
     t = StateTracker(model, opt, None)
     probe = CpuProbe(t)
     first = tracked_step(t, model, opt, torch.randn(4, 64), "small")[1]
-    assert probe.step_reading().peak == first  # a run's first step is read
+    assert probe.step_reading(time.monotonic()).peak == first  # a run's first step is read
     big = tracked_step(t, model, opt, torch.randn(256, 64), "big")[1]
-    assert probe.step_reading() is None  # within STEP_READ_S: the last reading stands
+    assert probe.step_reading(time.monotonic()) is None  # within STEP_READ_S: the last reading stands
     small = tracked_step(t, model, opt, torch.randn(4, 64), "small")[1]
-    assert probe.step_reading() is None and small < big
+    assert probe.step_reading(time.monotonic()) is None and small < big
     assert probe.read().peak == big  # the big step between readings, not the small one after it
     tracked_step(t, model, opt, torch.randn(4, 64), "small")
-    reading = probe.step_reading()  # a reading outside the steps: the next step's is made, its peak its own
+    reading = probe.step_reading(
+        time.monotonic()
+    )  # a reading outside the steps: the next step's is made, its peak its own
     assert reading is not None and reading.peak == small
     probe.free_cache()
     tracked_step(t, model, opt, torch.randn(4, 64), "small")
-    assert probe.step_reading() is not None  # what freeing the cache changed is shown after the next step
+    assert (
+        probe.step_reading(time.monotonic()) is not None
+    )  # what freeing the cache changed is shown after the next step
     t.close()
 
 

@@ -9,7 +9,6 @@ from helpers import ConvNet, conv_batches, conv_step
 
 import gputui
 import gputui.engine.session as session_module
-from gputui import probes
 from gputui.probes import cuda
 from gputui.probes.cuda import CudaProbe
 from gputui.telemetry.describe import describe
@@ -139,9 +138,14 @@ class Clock:
     def __init__(self, monkeypatch, step_s: float) -> None:
         self.now, self.step_s = 1000.0, step_s
         monkeypatch.setattr(cuda, "time", self)
-        monkeypatch.setattr(probes, "time", self)  # where step_reading paces the readings (PacedReadings)
+        monkeypatch.setattr(
+            session_module, "time", self
+        )  # where a step's publish reads the clock the readings are paced by
 
     def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:  # a row's wall time
         return self.now
 
     def stepping(self, each):

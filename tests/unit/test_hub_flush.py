@@ -151,27 +151,35 @@ def test_the_progress_line_draws_steps_the_server_thread_flushed_only_on_the_tra
     line = ProgressLine(out, interval=0.0)
     line.on_start(RunInfo(device="cpu", model="Net", params=10, total_steps=9))
     started = out.getvalue()
-    other = threading.Thread(target=line.on_record, args=(StepRecord.of(sample(4)),))
+
+    def server_flush():  # as the hub hands the sink a flush's steps
+        line.on_record(StepRecord.of(sample(4)))
+        line.flushed()
+
+    other = threading.Thread(target=server_flush)
     other.start()
     other.join()
     assert out.getvalue() == started
+    line.flushed()  # the training thread's next flush draws what the server thread kept
+    assert "step 4" in out.getvalue()
     line.on_record(StepRecord.of(sample(5)))
-    assert out.getvalue() != started and "step 5" in out.getvalue()
+    line.flushed()
+    assert "step 5" in out.getvalue()
 
 
 def test_an_event_waits_for_the_steps_a_reader_is_draining_on_another_thread(monkeypatch):
     """The reader took the last row off `rows` and has not kept its record yet: the event must not pass it."""
     hub, sink = Hub(), Seen()
     hub.add_sink(sink)
-    keep, inside = Hub._keep, threading.Event()
+    fill, inside = hub._rate.fill, threading.Event()
 
-    def slow_keep(self, record):
+    def slow_fill(row):  # the row is off `rows`, its record not made yet
         if threading.current_thread().name == "reader":
             inside.set()
             time.sleep(0.2)
-        keep(self, record)
+        return fill(row)
 
-    monkeypatch.setattr(Hub, "_keep", slow_keep)
+    monkeypatch.setattr(hub._rate, "fill", slow_fill)
     hub.rows.append(row(1))
     reader = threading.Thread(target=hub.latest, name="reader")
     reader.start()

@@ -312,7 +312,7 @@ def test_an_estimate_from_a_reading_with_totals_only_keeps_the_training_state_fi
     def totals_only(device, tracker, **kwargs):  # as CudaProbe reads: no params, grads, optimizer
         probe = real(device, tracker, **kwargs)
         read = probe.read
-        probe.read = probe.step_reading = lambda: dataclasses.replace(
+        probe.read = probe.step_reading = lambda *now: dataclasses.replace(
             read(), params=None, grads=None, optimizer=None, activations=None
         )
         return probe

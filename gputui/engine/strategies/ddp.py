@@ -76,7 +76,8 @@ class Ddp(Rank):
         if self._quiet and batch is None:  # its data ended with no word from the step before: said, as a failure
             self.agreement.failure = Failure(f"rank {d.rank}'s data ended before the others'", oom=False)
         self.generators.start()
-        self.buffers.save()
+        if self.buffers.live:  # most models have no running statistics: no call a step
+            self.buffers.save()
         attempt = 0
         try:
             while True:

@@ -54,7 +54,8 @@ class Single:
     def train(self, batch: Any, has_next: object) -> bool | None:
         """Train on one global batch, retrying it after OOMs; None: stopped before it was trained."""
         self.generators.start()
-        self.buffers.save()
+        if self.buffers.live:  # most models have no running statistics: no call a step
+            self.buffers.save()
         retries = 0
         try:
             while True:
@@ -78,7 +79,7 @@ class Single:
         pieces = [batch] if size >= self.state.batch_size else runner.cut(batch, size)
         try:
             if len(pieces) == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
-                if runner.none_counted(batch):
+                if runner.items is not None and runner.none_counted(batch):
                     raise self.recovery.no_items(everywhere=False)
                 loss = runner.forward(batch)
                 at.phase = "backward"
