@@ -9,7 +9,8 @@ checks) comes as often a step as it does natively, however busy the machine is.
     python benchmarks/fit_instructions.py                 # the tiny MLP at batch 32, 100 steps
     python benchmarks/fit_instructions.py --batch 832 --out benchmarks/INSTRUCTIONS.md
 
-Instructions are not time: a step's memory misses are not in them (the D1 misses are shown, from
+The garbage collector is off in both loops (what fit's garbage costs is not in the figures). Instructions
+are not time: a step's memory misses are not in them (the D1 misses are shown, from
 cachegrind's cache model). They say whether a change made fit's own work smaller, which timings here
 cannot.
 """
@@ -17,6 +18,7 @@ cannot.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -48,6 +50,9 @@ def child(kind: str, steps: int, batch: int) -> None:
     torch.set_num_threads(1)
     w = workloads.make("mlp", batch=batch)
     data = [w.batches[i % len(w.batches)] for i in range(WARMUP + steps)]
+    # The collector off: its collections come by allocation counts and land in one run's steps and not the
+    # other's (a plain step's count moved by ~90 k instructions, 1.5 %, between two runs with it on).
+    gc.disable()
     if kind == "fit":
         import gputui
 
@@ -64,7 +69,9 @@ def child(kind: str, steps: int, batch: int) -> None:
 def counted(kind: str, steps: int, batch: int, tmp: str) -> tuple[int, int]:
     """(instructions, D1 misses) of one run under cachegrind."""
     out = os.path.join(tmp, f"cg.{kind}.{steps}")
-    env = {**harness.child_env(tmp), "PYTHONUNBUFFERED": "1"}
+    # One hash seed: with a random one, dicts and sets lay out differently in every process, and a step's
+    # count moves with them.
+    env = {**harness.child_env(tmp), "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", sys.executable,
          __file__, "--child", kind, str(steps), "--batch", str(batch)],
