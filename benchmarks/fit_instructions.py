@@ -6,10 +6,12 @@ difference is N steps, the process's start and the run's end cancelled. The cloc
 process's CPU time slowed by the valgrind slowdown, so what fit paces by time (readings, flushes,
 checks) comes as often a step as it does natively, however busy the machine is.
 
-    python benchmarks/fit_instructions.py                 # the tiny MLP at batch 32, 100 steps
+    python benchmarks/fit_instructions.py                 # the tiny MLP at batch 32, 1000 steps
     python benchmarks/fit_instructions.py --batch 832 --out benchmarks/INSTRUCTIONS.md
 
-The garbage collector is off in both loops (what fit's garbage costs is not in the figures). Instructions
+A process's own count moves by about 10 M instructions from one run to the next (its start), so N
+must be large: at N=100 a step's figure moved by ~100 k (2 %) between runs, the size of fit's whole cost;
+the default N=1000 (hours under valgrind) brings that to ~10 k. The garbage collector is off in both loops (what fit's garbage costs is not in the figures). Instructions
 are not time: a step's memory misses are not in them (the D1 misses are shown, from
 cachegrind's cache model). They say whether a change made fit's own work smaller, which timings here
 cannot.
@@ -91,7 +93,7 @@ def counted(kind: str, steps: int, batch: int, tmp: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--out", help="a Markdown file the figures are written to (else printed only)")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
