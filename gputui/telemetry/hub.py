@@ -199,13 +199,11 @@ class Hub:
     def _drain(self) -> None:
         """The rows into records, their rates filled in, in the ring and owed to the sinks; under the lock."""
         rows, fill, samples, owed = self.rows, self._rate.fill, self._samples, self._owed
-        drained = 0
         while rows:  # _keep() written out: a batch of rows at a time, on the training thread
             record = StepRecord(fill(rows.popleft()))
             samples.append(record)
             owed.append(record)
-            drained += 1
-        self._published += drained
+            self._published += 1
 
     def clear_rate(self) -> None:
         """The time from the last step published to the next is not training time (a pause, an evaluation,
