@@ -92,8 +92,8 @@ class Recovery:
                 failure.notes.append(line)
 
     def dropped(self, error: FitError) -> FitError:
-        """`error`, raised by this rank after its failed step, that step undone first (past failures: notes)."""
-        run_past_failures(self._undo(), error, UNDO)
+        """`error`, raised by this rank after its failed step, that step undone first (drop_failed_step)."""
+        self.drop_failed_step(error)
         return error
 
     def _undo(self) -> list[Callable[[], Any]]:
