@@ -45,12 +45,13 @@ def as_count(n: Any) -> int:
     return int(value)
 
 
-def _accumulator(param: torch.Tensor) -> Any:
-    """The node autograd accumulates `param`'s gradient with (the one every graph through it shares),
-    or None for a tensor subclass that will not say: holding it is a saving, never a need."""
+def _holder(param: torch.Tensor) -> torch.Tensor | None:
+    """A view of `param` whose graph holds its AccumulateGrad node, or None for a tensor subclass that will
+    not make one: holding it is a saving, never a need. A view, not the node itself: a node with a Python
+    object costs every graph that reaches it a Python reference taken, with the GIL, inside backward."""
     try:
-        node = param.view_as(param).grad_fn
-        return node.next_functions[0][0] if node is not None and node.next_functions else None
+        view = param.view_as(param)
+        return view if view.requires_grad else None  # a view of a leaf that requires grad: its node's edge
     except Exception:
         return None
 
@@ -80,7 +81,7 @@ class Runner:
         self.losses = DeferredLoss.for_device(device)
         self.loss: torch.Tensor | None = None  # the last step's, detached: read by whoever wants it (a sync)
         self.grad_norm: torch.Tensor | None = None
-        self._accumulators: list[Any] = []  # see hold_accumulators()
+        self._accumulators: list[torch.Tensor] = []  # see hold_accumulators()
         self._said_batch_norm = not buffers.batch_norms  # said once, or nothing to say
         self._said_items = items is not None  # the token-mean hint: said once, or not needed
         self._count_whole = True  # items() of a batch trained whole is read (a host count)
@@ -95,8 +96,8 @@ class Runner:
         here (as long as the runner holds the model), the free costs that step nothing more. DDP's
         reducer holds them itself."""
         with torch.enable_grad():
-            held = [_accumulator(p) for p in self.model.parameters() if p.requires_grad]
-        self._accumulators = [a for a in held if a is not None]
+            held = [_holder(p) for p in self.model.parameters() if p.requires_grad]
+        self._accumulators = [v for v in held if v is not None]
 
     # -- a try at a global batch ------------------------------------------------------------
     def start(self, batch: Any, size: int) -> None:
