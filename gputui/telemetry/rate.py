@@ -19,27 +19,27 @@ class Rate:
         self._points: deque[tuple[float, int, int]] = deque(maxlen=window)
 
     def fill(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A published row (telemetry/sample.py: StepSample's fields) with its rates over the window, its
-        point (time, step, samples) added. One call a row, the point read by one C call: the hub drains
-        its rows on the training thread, and each Python call there is a step's cost."""
+        """A published row (telemetry/sample.py: StepSample's fields, its rates None) with its rates over the
+        window, its point (time, step, samples) added. One call a row, no Python call inside: the hub drains
+        its rows on the training thread, and each call there is a step's cost."""
         points = self._points
-        point = _point(row)
-        if points and (point[1] < points[-1][1] or point[0] < points[-1][0]):
-            points.clear()  # another run's counters (an own loop after fit's), or the clock stepped back
+        t1, k1, s1 = point = _point(row)
+        if points:
+            last = points[-1]
+            if k1 < last[1] or t1 < last[0]:
+                points.clear()  # another run's counters (an own loop after fit's), or the clock stepped back
         points.append(point)
-        (t0, k0, s0), (t1, k1, s1) = points[0], point
-        fields = list(row)
-        if t1 > t0:
-            fields[RATES_AT[0]], fields[RATES_AT[1]] = (
-                (k1 - k0) / (t1 - t0),
-                ((s1 - s0) / (t1 - t0) if s1 > s0 else None),
-            )
-        else:
-            fields[RATES_AT[0]] = fields[RATES_AT[1]] = None
-        return tuple(fields)
+        t0, k0, s0 = points[0]
+        if t1 <= t0:
+            return row
+        dt = t1 - t0
+        return row[:_SAMPLES] + ((s1 - s0) / dt if s1 > s0 else None,) + row[_BETWEEN] + ((k1 - k0) / dt,) + row[_AFTER]
 
     def clear(self) -> None:
         self._points.clear()
 
 
 _point = itemgetter(*RATE_FROM)
+_STEPS, _SAMPLES = RATES_AT
+assert _SAMPLES < _STEPS  # the slices below put them back in this order
+_BETWEEN, _AFTER = slice(_SAMPLES + 1, _STEPS), slice(_STEPS + 1, None)
