@@ -6,7 +6,7 @@ again at the request of batch WARMUP+N: the count is N whole steps, fit's bookke
 nothing of the process's start or end (which moved a whole run's count by ~10 M instructions from one
 run to the next). The window is opened and closed by callgrind's client requests, from a few lines of C
 built here with the system's compiler (valgrind's headers come with Debian's valgrind package). The
-clocks fit reads run on the process's CPU time slowed by the valgrind slowdown, so what fit paces by
+clocks fit reads run on the process's CPU time, paced to a native step (Clocks), so what fit paces by
 time (readings, flushes, checks) comes as often a step as it does natively, however busy the machine is.
 
     python benchmarks/fit_instructions.py                 # the tiny MLP at batch 32, 200 steps
@@ -119,12 +119,7 @@ def child(kind: str, steps: int, batch: int, library: str, step_s: float) -> Non
 
         gputui.fit(w.model, data, w.step, w.optimizer())
         return
-    model, optimizer = w.model, w.optimizer()
-    for b in data:
-        loss = w.step(model, b)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    workloads.plain_loop(w, data)
 
 
 def native_step_s(batch: int, steps: int = 300) -> float:
@@ -134,15 +129,16 @@ def native_step_s(batch: int, steps: int = 300) -> float:
 
     torch.set_num_threads(1)
     w = workloads.make("mlp", batch=batch)
-    model, optimizer = w.model, w.optimizer()
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            start = time.process_time()
-        loss = w.step(model, w.batches[i % len(w.batches)])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return (time.process_time() - start) / steps
+    marks: list[float] = []
+
+    def batches():
+        for i in range(WARMUP + steps + 1):
+            if i in (WARMUP, WARMUP + steps):
+                marks.append(time.process_time())
+            yield w.batches[i % len(w.batches)]
+
+    workloads.plain_loop(w, batches())
+    return (marks[1] - marks[0]) / steps
 
 
 def counted(kind: str, steps: int, batch: int, step_s: float, library: str, tmp: str, run: int) -> tuple[int, int]:
