@@ -43,6 +43,8 @@ WORKLOADS = {
     "mlp-b832": ("mlp", 1, 832),
     "mlp-b1024": ("mlp", 1, 1024),
     "null": ("null", 1, None),
+    # benchmarks/models.py's (zoo.py), measured in one process only
+    **{name: (name, 1, None) for name in ("cnn", "encoder", "deep", "lstm")},
 }
 # fit's own cost a step, where it stands out of the noise: the "null" model's step is ~0.3 ms of torch's own
 # Python, so a pair of steps differs by tens of microseconds, not by the hundreds a 1.5 ms step's jitter

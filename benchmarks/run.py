@@ -33,6 +33,7 @@ BENCHMARKS = {
     "planner": "What-if planner: prediction time, accuracy, and what a plan costs the training",
     "tool_costs": "Costs of the tool itself",
     "distributed": "Under torchrun: gputui.fit against a plain DDP loop, and the per-step exchange",
+    "models": "Other models: fit's cost beside steps shaped unlike the demos",
 }
 TIMEOUT = 1800
 
@@ -92,9 +93,10 @@ def headline(results: dict[str, Any], m: dict[str, Any]) -> str:
     """The sentence the README quotes, built from the figures."""
     from gputui.units import format_bytes
 
-    where = f"On a {m['cores']}-core {m['cpu']}" + (f" with {m['gpu']}" if m["gpu"] else " with no GPU")
-    parts = []
     oh = results.get("overhead", {}).get("result")
+    made = {**m, **results.get("overhead", {}).get("made", {})}  # the machine the overhead figures were made on
+    where = f"On a {made['cores']}-core {made['cpu']}" + (f" with {m['gpu']}" if m["gpu"] else " with no GPU")
+    parts = []
     if oh and {"mlp", "gpt"} <= set(oh["workloads"]):
         gpt = oh["workloads"]["gpt"]
         free = oh["workloads"].get("mlp-1t")
@@ -193,6 +195,10 @@ def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str)
         else:
             made = r.get("made", {})
             kept = f"; kept from commit {made['commit']}, {made['date']}" if made.get("commit") != m["commit"] else ""
+            if kept and "cpu" not in made:
+                kept += ", machine not recorded"
+            elif made.get("cpu", m["cpu"]) != m["cpu"]:
+                kept += f", made on a {made['cores']}-core {made['cpu']}"
             lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s{kept})_", ""]
     return "\n".join(lines)
 
@@ -211,15 +217,23 @@ def write(out: str, results: dict[str, Any], m: dict[str, Any], quick: bool) -> 
 
 
 def kept(out: str, running: list[str]) -> dict[str, Any]:
-    """The results in `out` of the benchmarks not run now (`--only`), each with the commit and date it was
-    made at: a rerun of some replaces theirs and keeps the rest, said as kept."""
+    """The results in `out` of the benchmarks not run now (`--only`), each with the commit, date and machine
+    it was made at: a rerun of some replaces theirs and keeps the rest, said as kept (and where)."""
     try:
         with open(os.path.join(out, "results.json")) as f:
             previous = json.load(f)
     except (OSError, ValueError):
         return {}
-    made = {k: previous.get("machine", {}).get(k) for k in ("commit", "date")}
-    return {name: {"made": made, **r} for name, r in previous.get("results", {}).items() if name not in running}
+    made = {k: previous.get("machine", {}).get(k) for k in ("commit", "date", "cpu", "cores")}
+    out = {}
+    for name, r in previous.get("results", {}).items():
+        if name in running:
+            continue
+        own = r.get("made", made)
+        if "cpu" not in own and own.get("commit") == made["commit"]:  # made by that run, on its machine
+            own = made
+        out[name] = {**r, "made": own}
+    return out
 
 
 def main() -> int:
@@ -243,7 +257,7 @@ def main() -> int:
             print(f"== {name}", file=sys.stderr, flush=True)
             results[name] = {
                 **run_one(name, args.quick, device, tmp),
-                "made": {"commit": m["commit"], "date": m["date"]},
+                "made": {k: m[k] for k in ("commit", "date", "cpu", "cores")},
             }
             if "error" in results[name]:
                 print(f"   failed: {results[name]['error'][-500:]}", file=sys.stderr)

@@ -1,7 +1,7 @@
-"""The two workloads the benchmarks train, taken from the demos so they are the models users see:
+"""The workloads the benchmarks train, mostly taken from the demos so they are the models users see:
 the tiny MLP of demos/mlp.py (a step of a few milliseconds on a CPU) and the small GPT of
-demos/gpt.py (tens of milliseconds). Batches are made before timing and cycled, so data
-loading is never measured.
+demos/gpt.py (tens of milliseconds); zoo.py's models are shaped unlike them. Batches are made
+before timing and cycled, so data loading is never measured.
 
 Run as a script, it is one timed training process of the overhead benchmark: the same model
 and batches through a plain PyTorch loop (`--loop plain`) or through `gputui.fit` (`--loop fit`,
@@ -30,6 +30,7 @@ from gputui.step.microbatch import to_device
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos"))
 import gpt as demo_gpt
 import mlp as demo_mlp
+import zoo
 
 
 @dataclass
@@ -78,6 +79,9 @@ def _make(name: str, seed: int, batch: int | None, distinct: int) -> Workload:
         batches = [(torch.randn(batch, 1, generator=g), torch.randn(batch, 1, generator=g)) for _ in range(distinct)]
         what = f"two 1x1 linear layers, batch {batch}, AdamW: a step that is mostly torch's own Python"
         return Workload(name, what, model, batches, _mse, batch)
+    if name in zoo.MAKERS:
+        model, batches, step, batch, what = zoo.MAKERS[name](g, batch, distinct)
+        return Workload(name, what, model, batches, step, batch)
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -209,7 +213,7 @@ def _end(w: Workload) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["mlp", "gpt", "null"], required=True)
+    p.add_argument("--model", choices=["mlp", "gpt", "null", *zoo.MAKERS], required=True)
     p.add_argument("--loop", choices=["plain", "fit", "alternating", "interleaved"], required=True)
     p.add_argument("--steps", type=int, required=True, help="timed steps (after the warm-up); alternating: per block")
     p.add_argument("--warmup", type=int, required=True, help="steps run first and not timed")
