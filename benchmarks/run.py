@@ -193,14 +193,19 @@ def markdown(results: dict[str, Any], m: dict[str, Any], quick: bool, head: str)
         if "error" in r:
             lines += ["**Failed:**", "", "```", r["error"], "```", ""]
         else:
-            made = r.get("made", {})
-            kept = f"; kept from commit {made['commit']}, {made['date']}" if made.get("commit") != m["commit"] else ""
-            if kept and "cpu" not in made:
-                kept += ", machine not recorded"
-            elif made.get("cpu", m["cpu"]) != m["cpu"]:
-                kept += f", made on a {made['cores']}-core {made['cpu']}"
-            lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s{kept})_", ""]
+            lines += [module.markdown(r["result"]), f"_({r['elapsed_s']:.0f} s{provenance(r.get('made', {}), m)})_", ""]
     return "\n".join(lines)
+
+
+def provenance(made: dict[str, Any], m: dict[str, Any]) -> str:
+    """Nothing for a section this run made (on machine `m`); for one kept from another run, its commit,
+    date and machine."""
+    if made.get("commit") == m["commit"] and made.get("cpu", m["cpu"]) == m["cpu"]:
+        return ""
+    note = f"; kept from commit {made.get('commit')}, {made.get('date')}"
+    if "cpu" not in made:
+        return note + ", machine not recorded"
+    return note + (f", made on a {made['cores']}-core {made['cpu']}" if made["cpu"] != m["cpu"] else "")
 
 
 def write(out: str, results: dict[str, Any], m: dict[str, Any], quick: bool) -> str:

@@ -141,15 +141,30 @@ def test_the_planner_verdict_takes_the_error_against_the_step_less_what_was_held
 
 def test_a_rerun_of_some_benchmarks_keeps_the_others_and_says_from_which_commit(monkeypatch, tmp_path):
     """`run.py --only overhead` replaced RESULTS.md with the overhead section alone: the other sections'
-    figures are kept, each saying the commit and date it was made at."""
+    figures are kept, each saying the commit, date and machine it was made at (a section kept through
+    an earlier run, from before machines were recorded, says it was not)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import run
 
     previous = {
-        "machine": {"commit": "abc1234", "date": "2026-11-27 14:34 UTC"},
-        "results": {"overhead": {"result": {}, "elapsed_s": 1.0}, "latency": {"result": {"x": 1}, "elapsed_s": 6.0}},
+        "machine": {"commit": "abc1234", "date": "2026-11-27 14:34 UTC", "cpu": "AMD EPYC", "cores": 2},
+        "results": {
+            "overhead": {"result": {}, "elapsed_s": 1.0},
+            "latency": {"result": {"x": 1}, "elapsed_s": 6.0},
+            "recovery": {"result": {}, "elapsed_s": 2.0, "made": {"commit": "0ld0000", "date": "2026-11-20 10:00 UTC"}},
+        },
     }
     (tmp_path / "results.json").write_text(json.dumps(previous))
     kept = run.kept(str(tmp_path), ["overhead"])
-    assert kept == {"latency": {"made": previous["machine"], "result": {"x": 1}, "elapsed_s": 6.0}}
+    assert kept == {
+        "latency": {"made": previous["machine"], "result": {"x": 1}, "elapsed_s": 6.0},
+        "recovery": previous["results"]["recovery"],
+    }
+    here = {"commit": "def5678", "cpu": "Intel Xeon", "cores": 2}
+    said = {name: run.provenance(r["made"], here) for name, r in kept.items()}
+    assert said == {
+        "latency": "; kept from commit abc1234, 2026-11-27 14:34 UTC, made on a 2-core AMD EPYC",
+        "recovery": "; kept from commit 0ld0000, 2026-11-20 10:00 UTC, machine not recorded",
+    }
+    assert run.provenance(here, here) == ""  # made by this run
     assert run.kept(str(tmp_path / "none"), ["overhead"]) == {}  # a first run keeps nothing
