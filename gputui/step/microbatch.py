@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -52,11 +53,17 @@ def shapes(batch: Any) -> Any:
     """The shapes and dtypes of a batch's tensors, nested as the batch is: hashable, equal for two
     batches that train the same way."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape, batch.dtype
+        return _shape(batch)
     children = batch if isinstance(batch, (tuple, list)) else _children(batch)
     if not children:
         return None
-    return tuple([(c.shape, c.dtype) if isinstance(c, torch.Tensor) else shapes(c) for c in children])
+    try:  # a container of tensors (most batches): read in C, no Python frame a child (a CPU run asks every step)
+        return tuple(map(_shape, children))
+    except AttributeError:  # something else inside: nested containers, scalars, strings
+        return tuple([_shape(c) if isinstance(c, torch.Tensor) else shapes(c) for c in children])
+
+
+_shape = attrgetter("shape", "dtype")
 
 
 def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gputui.step.microbatch import batch_size, split, to_device
+from gputui.step.microbatch import batch_size, shapes, split, to_device
 
 Pair = namedtuple("Pair", "x y")
 
@@ -79,3 +79,18 @@ def test_to_device_keeps_structure():
     moved = to_device(batch, torch.device("cpu"))
     assert isinstance(moved, Batch) and moved.x is batch.x  # already there: no copy
     assert to_device(("a", 3), torch.device("cpu")) == ("a", 3)
+
+
+def test_shapes_tell_apart_batches_that_train_differently_whatever_holds_them():
+    """The memory tracker recounts, and the planner predicts again, when a batch's shapes change: the key
+    must change with any tensor's shape or dtype, wherever it sits, and stay equal for a batch alike."""
+    x, y = torch.zeros(8, 3), torch.zeros(8, dtype=torch.long)
+    assert shapes((x, y)) == shapes((torch.ones(8, 3), torch.ones(8, dtype=torch.long)))
+    assert shapes((x, y)) != shapes((x, torch.zeros(8, 2, dtype=torch.long))), "the second tensor's shape"
+    assert shapes([x, y]) != shapes([x, y.float()]), "a dtype"
+    assert shapes({"ids": x, "labels": y}) != shapes({"ids": x, "labels": y[:4]})
+    nested = {"pair": Pair(x, y), "n": 3, "name": "b"}  # containers and leaves that are not tensors
+    assert shapes(nested) == shapes({"pair": Pair(torch.ones(8, 3), y), "n": 3, "name": "b"})
+    assert shapes(nested) != shapes({"pair": Pair(x, y[:5]), "n": 3, "name": "b"})
+    assert shapes(Batch(x, torch.ones(8, 3))) != shapes(Batch(x, torch.ones(8, 4)))
+    hash(shapes(nested))
