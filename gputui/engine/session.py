@@ -291,8 +291,9 @@ class RunSession:
         after it: a new reading where the probe makes one (a few a second; `exact`: after every step, for
         a planner calibrating against each), else the last one again. Returns the new reading, or None.
 
-        What is published is a row of the figures (StepSample's fields in order), appended to the hub's
-        rows; the hub makes its record at a flush, and its sample when a reader asks (telemetry/hub.py)."""
+        What is published is a row of the figures (StepSample's fields in order, in a list the hub fills
+        the rates in), appended to the hub's rows; the hub makes its record at a flush, and its sample
+        when a reader asks (telemetry/hub.py)."""
         now = time.monotonic()
         reading = self.probe.read() if exact else self.probe.step_reading(now)
         memory = self.memory = reading or self.memory
@@ -301,7 +302,7 @@ class RunSession:
             self._host, self._host_t = read_host(), now
         hub = self.hub
         hub.rows.append(
-            (
+            [
                 t,
                 self.steps,
                 epoch,
@@ -319,7 +320,7 @@ class RunSession:
                 None,  # steps per second
                 ranks,
                 grad_norm,
-            )
+            ]
         )
         if now >= hub.due:
             hub.flush(now)

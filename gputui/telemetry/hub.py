@@ -88,9 +88,10 @@ class Hub:
         # the socket server and the TUI read it. Its own lock: a print never waits on a sample.
         self.output = OutputLog()
         self._lock = threading.Lock()
-        self.rows: deque[tuple[Any, ...]] = deque()
-        """The steps published since the last drain, each StepSample's fields in order: the publisher's one
-        append a step (a deque's append is atomic: no lock). Call flush() once `due` has passed."""
+        self.rows: deque[list[Any]] = deque()
+        """The steps published since the last drain, each StepSample's fields in order (a list: the drain
+        fills its rates in, telemetry/rate.py): the publisher's one append a step (a deque's append is
+        atomic: no lock). Call flush() once `due` has passed."""
         self.due = 0.0  # monotonic time by which the rows should be flushed
         self._wait = FLUSH_S  # how long rows may wait: 0 while a sink wants samples as they come
         self._owed: deque[StepRecord] = deque()  # drained into the ring, not handed to the sinks yet

@@ -18,10 +18,10 @@ class Rate:
     def __init__(self, window: int = 32) -> None:
         self._points: deque[tuple[float, int, int]] = deque(maxlen=window)
 
-    def fill(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+    def fill(self, row: list[Any]) -> list[Any]:
         """A published row (telemetry/sample.py: StepSample's fields, its rates None) with its rates over the
-        window, its point (time, step, samples) added. One call a row, no Python call inside: the hub drains
-        its rows on the training thread, and each call there is a step's cost."""
+        window filled in, in place, its point (time, step, samples) added. One call a row, no Python call
+        inside: the hub drains its rows on the training thread, and each call there is a step's cost."""
         points = self._points
         t1, k1, s1 = point = _point(row)
         if points:
@@ -30,10 +30,12 @@ class Rate:
                 points.clear()  # another run's counters (an own loop after fit's), or the clock stepped back
         points.append(point)
         t0, k0, s0 = points[0]
-        if t1 <= t0:
-            return row
-        dt = t1 - t0
-        return row[:_SAMPLES] + ((s1 - s0) / dt if s1 > s0 else None,) + row[_BETWEEN] + ((k1 - k0) / dt,) + row[_AFTER]
+        if t1 > t0:
+            dt = t1 - t0
+            row[_STEPS] = (k1 - k0) / dt
+            if s1 > s0:
+                row[_SAMPLES] = (s1 - s0) / dt
+        return row
 
     def clear(self) -> None:
         self._points.clear()
@@ -41,5 +43,3 @@ class Rate:
 
 _point = itemgetter(*RATE_FROM)
 _STEPS, _SAMPLES = RATES_AT
-assert _SAMPLES < _STEPS  # the slices below put them back in this order
-_BETWEEN, _AFTER = slice(_SAMPLES + 1, _STEPS), slice(_STEPS + 1, None)

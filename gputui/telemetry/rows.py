@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from operator import attrgetter, contains
 from typing import Any
@@ -71,8 +72,8 @@ class Layout:
     def index(self, name: str) -> int:
         return self.names.index(name)
 
-    def row(self, values: tuple[Any, ...]) -> list[Any]:
-        """A record's values (`values(record)`) as the protocol sends them."""
+    def row(self, values: Sequence[Any]) -> list[Any]:
+        """A record's values (`values(record)`, or a published row) as the protocol sends them."""
         row = list(values)
         for i, inner, many in self.nested:
             value, of = row[i], inner.values

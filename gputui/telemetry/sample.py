@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from operator import itemgetter
 from typing import Any
@@ -217,7 +217,7 @@ class HostReading:
 class StepSample:
     """What one optimizer step left behind: progress, the settings it ran with, and memory after it.
 
-    The engine publishes its fields as a positional tuple (a row of hub.rows, then a StepRecord): a new
+    The engine publishes its fields by position (a row of hub.rows, then a StepRecord): a new
     field goes last."""
 
     t: float
@@ -273,7 +273,7 @@ class StepSample:
 
 class StepRecord:
     """A step as the hub keeps it: the row the training thread published (StepSample's fields in their
-    order, in a tuple).
+    order, in a list; a tuple for a sample made already).
 
     Building the frozen StepSample costs microseconds that most steps need not pay: a screen reads a
     few samples a second, the socket's server on its own thread. So the sample is made when a reader
@@ -281,7 +281,7 @@ class StepRecord:
 
     __slots__ = ("fields", "step", "_sample")
 
-    def __init__(self, fields: tuple[Any, ...], sample: StepSample | None = None) -> None:
+    def __init__(self, fields: Sequence[Any], sample: StepSample | None = None) -> None:
         self.fields = fields
         self.step: int = fields[STEP_AT]
         self._sample = sample

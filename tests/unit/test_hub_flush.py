@@ -39,14 +39,14 @@ class Seen(Sink):
         self.seen.append((event.name, event.step))
 
 
-def row(step: int) -> tuple:
+def row(step: int) -> list:
     """What RunSession.publish appends: StepSample's fields in order."""
-    return tuple(STEP_ROW.values(sample(step)))
+    return list(STEP_ROW.values(sample(step)))
 
 
-def timed(step: int, t: float, samples: int) -> tuple:
+def timed(step: int, t: float, samples: int) -> list:
     """A row as published: its time and counters, its rates left for the hub."""
-    return tuple(STEP_ROW.values(dataclasses.replace(sample(step), t=t, samples=samples)))
+    return list(STEP_ROW.values(dataclasses.replace(sample(step), t=t, samples=samples)))
 
 
 def test_the_hub_derives_each_rows_rates_and_a_clear_falls_between_the_rows_it_separates():
