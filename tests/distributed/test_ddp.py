@@ -279,10 +279,15 @@ for name in sys.argv[3:]:
     elif name == "pause":  # paused from rank 0 after step 2 for longer than the group's timeout, then resumed
         import threading
 
+        class PauseThenResume(RequestAt):  # the pause's length counted from its request, not from the start
+            def on_sample(self, sample):
+                super().on_sample(sample)
+                if self.seen == self.n:
+                    threading.Timer(float(os.environ["PAUSE_S"]), self.hub.controls.request, ("resume",)).start()
+
         def pause_then_resume(hub):
             if rank == 0:
-                hub.add_sink(RequestAt(hub, 2, "pause"))
-                threading.Timer(float(os.environ["PAUSE_S"]), hub.controls.request, ("resume",)).start()
+                hub.add_sink(PauseThenResume(hub, 2, "pause"))
         run(name, mine * 3, make_hub=pause_then_resume, times=True)
     elif name == "unused":  # a parameter the forward uses in step 1 only, in a model fit wraps
         class Branchy(torch.nn.Module):
