@@ -15,6 +15,7 @@ import torch
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES
 from ..units import format_bytes
 from .boundary import Boundary
+from .diagnosis import fragmentation
 from .oom import Buffers, Generators, OomInfo, drop, is_oom
 from .planhook import PlanningHook
 from .result import Agreed, Failure, FitError, first_line
@@ -198,18 +199,9 @@ class Recovery:
         return True
 
     def _holes(self) -> str:
-        """What a run that ran out at the smallest micro-batch is told when freed blocks inside partly used
-        segments (CUDA's inactive splits) are a fifth of what it reserves: there, fragmentation ran out, not the
-        step (seen on an H200 under a cap: 121 MiB of holes beside 141 MiB allocated, and no 16 MiB block)."""
-        memory = self.session.probe.read()
-        holes, reserved = memory.fragmented, memory.reserved
-        if not holes or not reserved or holes < reserved / 5:
-            return ""
-        return (
-            f" {format_bytes(holes)} of the {format_bytes(reserved)} reserved is free but split between live "
-            "blocks (fragmentation): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the process "
-            "starts, lets the allocator grow its segments in place instead."
-        )
+        """An unrecoverable OOM's error: the fragmentation that ran out, where it did (diagnosis.py)."""
+        split = fragmentation(self.session.probe.read())
+        return f" {split}." if split else ""
 
     def watch_thrashing(self, retries: int, step: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
@@ -266,14 +258,16 @@ class Recovery:
             return f"rank {rank}, step {self.state.steps + 1}: {exc}"
         return None
 
-    def synced_failure(self, failed: OomInfo, fatal: bool, rank: int) -> FitError:
-        """This rank's synced backward failed and cannot be replayed: every rank stops."""
+    def synced_failure(self, failed: OomInfo, fatal: bool, oom: bool, rank: int) -> FitError:
+        """This rank's synced backward failed and cannot be replayed (`oom`: it ran out of memory): every
+        rank stops."""
         if fatal:
             details: dict[str, Any] = {"phase": failed.phase, "message": failed.message}
             self.session.emit("oom", **details, micro_batch=failed.micro_batch, recovered=False)
         return FitError(
             f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
-            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops"
+            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops."
+            + (self._holes() if oom else "")
         )
 
     def others_failed(self, ranks: list[int]) -> FitError:
@@ -313,7 +307,7 @@ class Recovery:
         return FitError(
             f"{what} at micro-batch {size} on rank {rank}, step {self.state.steps + 1}, under FSDP: a rank cannot "
             "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
-            f"peak nears its capacity; this came first) [{detail}]"
+            f"peak nears its capacity; this came first).{self._holes() if oom else ''} [{detail}]"
         )
 
     def job_error(self, failure: Failure | None, agreed: Agreed, closing: bool = False) -> FitError:

@@ -156,6 +156,32 @@ def test_at_micro_batch_one_fragmentation_is_named_when_holes_are_a_fifth_of_wha
         assert ("expandable_segments:True" in str(info.value).split("(CUDA")[0]) is named
 
 
+def test_an_oom_that_ends_a_torchrun_job_names_the_fragmentation_too(monkeypatch):
+    """Under FSDP any OOM ends the job, and a DDP rank's synced backward cannot be replayed: their errors
+    name the holes as one process's does (expandable segments is the usual fix there); an error that
+    is not an OOM does not."""
+    from gputui.engine.core import Core
+    from gputui.engine.oom import OomInfo
+    from gputui.engine.options import FitOptions
+    from gputui.probes.cpu import CpuProbe
+    from gputui.telemetry.sample import Memory
+
+    MiB = 1 << 20
+    reading = Memory(device="cuda:0", allocated=141 * MiB, reserved=262 * MiB, fragmented=121 * MiB)
+    monkeypatch.setattr(CpuProbe, "read", lambda self: reading)
+    model = ConvNet()
+    core = Core(model, conv_step, sgd(model), FitOptions())
+    with core.running():
+        recovery, exc = core.recovery, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+        fsdp = str(recovery.fsdp_failure(exc, "backward", 1, 1))
+        synced = str(recovery.synced_failure(OomInfo("backward", str(exc), 1, 0), True, True, 1))
+        other = str(recovery.synced_failure(OomInfo("backward", "ValueError: no", 1, 0), True, False, 1))
+    said = "121 MiB of the 262 MiB reserved is free but split between live blocks (fragmentation)"
+    assert said in fsdp and fsdp.endswith("[CUDA out of memory. Tried to allocate 16.00 MiB]"), fsdp
+    assert said in synced and "so every rank stops. 121 MiB" in synced, synced
+    assert said not in other and other.endswith("so every rank stops."), other
+
+
 def test_oom_in_optimizer_step_stops_cleanly():
     model = ConvNet()
 

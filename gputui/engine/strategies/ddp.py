@@ -310,9 +310,9 @@ class Ddp(Rank):
             del weighted
             if not fatals:
                 return False, failed
-            raise recovery.dropped(
-                recovery.synced_failure(failed, fatal, d.rank) if failed is not None else recovery.others_failed(ranks)
-            )
+            if failed is None:
+                raise recovery.dropped(recovery.others_failed(ranks))
+            raise recovery.dropped(recovery.synced_failure(failed, fatal, oom, d.rank))
         assert weighted is not None
         runner.piece_done()
         local = weighted.detach().float() / scale if scale else weighted.detach().float()  # this rank's mean
