@@ -198,9 +198,10 @@ class Recovery:
         state.ooms_recovered += 1  # the user's remedy (or retry as it was): the run goes on from this OOM
         return True
 
-    def _holes(self) -> str:
-        """An unrecoverable OOM's error: the fragmentation that ran out, where it did (diagnosis.py)."""
-        split = fragmentation(self.session.probe.read())
+    def _holes(self, oom: bool = True) -> str:
+        """An unrecoverable OOM's error: the fragmentation that ran out, where it did (diagnosis.py), a
+        sentence of its own; nothing for another error."""
+        split = fragmentation(self.session.probe.read()) if oom else None
         return f" {split}." if split else ""
 
     def watch_thrashing(self, retries: int, step: int) -> None:
@@ -264,10 +265,11 @@ class Recovery:
         if fatal:
             details: dict[str, Any] = {"phase": failed.phase, "message": failed.message}
             self.session.emit("oom", **details, micro_batch=failed.micro_batch, recovered=False)
+        holes = self._holes(oom)
         return FitError(
             f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
-            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops."
-            + (self._holes() if oom else "")
+            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops"
+            + ("." + holes if holes else "")
         )
 
     def others_failed(self, ranks: list[int]) -> FitError:
@@ -304,10 +306,11 @@ class Recovery:
         detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
         if oom:
             self.session.emit("oom", phase=phase, message=detail, micro_batch=size, recovered=False)
+        holes = self._holes(oom)
         return FitError(
             f"{what} at micro-batch {size} on rank {rank}, step {self.state.steps + 1}, under FSDP: a rank cannot "
             "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
-            f"peak nears its capacity; this came first).{self._holes() if oom else ''} [{detail}]"
+            f"peak nears its capacity; this came first){'.' + holes if holes else ''} [{detail}]"
         )
 
     def job_error(self, failure: Failure | None, agreed: Agreed, closing: bool = False) -> FitError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -57,13 +58,13 @@ def shapes(batch: Any) -> Any:
     children = batch if isinstance(batch, (tuple, list)) else _children(batch)
     if not children:
         return None
-    try:  # a container of tensors (most batches): read in C, no Python frame a child (a CPU run asks every step)
+    if all(map(isinstance, children, _TENSOR)):  # most batches: read in C, no frame a child (a CPU run's every step)
         return tuple(map(_shape, children))
-    except AttributeError:  # something else inside: nested containers, scalars, strings
-        return tuple([_shape(c) if isinstance(c, torch.Tensor) else shapes(c) for c in children])
+    return tuple([_shape(c) if isinstance(c, torch.Tensor) else shapes(c) for c in children])
 
 
 _shape = attrgetter("shape", "dtype")
+_TENSOR = repeat(torch.Tensor)  # isinstance's second argument, for each child
 
 
 def _rebuild(batch: Any, fn: Callable[[Any], Any]) -> Any:

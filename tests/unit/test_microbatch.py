@@ -94,3 +94,28 @@ def test_shapes_tell_apart_batches_that_train_differently_whatever_holds_them():
     assert shapes(nested) != shapes({"pair": Pair(x, y[:5]), "n": 3, "name": "b"})
     assert shapes(Batch(x, torch.ones(8, 3))) != shapes(Batch(x, torch.ones(8, 4)))
     hash(shapes(nested))
+
+
+def test_shapes_walk_into_containers_that_have_a_shape_of_their_own():
+    """A TensorDict is a mapping whose .shape is its batch size alone (and a tensorclass a dataclass with
+    one): its key is its tensors', not its own shape and dtype. A NumPy array is no tensor: a batch of
+    paths (its dtype as long as the longest) keys alike from batch to batch."""
+    import numpy as np
+
+    class TensorDictLike(dict):
+        shape, dtype = torch.Size([4]), torch.float32
+
+    @dataclass
+    class TensorclassLike:
+        obs: torch.Tensor
+        shape = torch.Size([4])
+        dtype = torch.float32
+
+    labels = torch.zeros(4)
+    assert shapes((TensorDictLike(obs=torch.zeros(4, 16)), labels)) != shapes(
+        (TensorDictLike(obs=torch.zeros(4, 32)), labels)
+    )
+    small, large = TensorclassLike(torch.zeros(4, 16)), TensorclassLike(torch.zeros(4, 32))
+    assert shapes((small, labels)) != shapes((large, labels))
+    paths = np.array(["a.jpg", "bbbb.jpg"]), np.array(["c.jpg", "d.jpg"])
+    assert shapes((labels, paths[0])) == shapes((labels, paths[1]))
