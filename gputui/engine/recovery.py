@@ -145,7 +145,7 @@ class Recovery:
             if oom.micro_batch <= 1:
                 session.emit("oom", **details, recovered=False)
                 raise FitError(
-                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits.{self._holes()} Try "
+                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits{self._holes()}. Try "
                     f"AMP (bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
                 )
             if oom.micro_batch <= state.sizing.floor:
@@ -200,9 +200,9 @@ class Recovery:
 
     def _holes(self, oom: bool = True) -> str:
         """An unrecoverable OOM's error: the fragmentation that ran out, where it did (diagnosis.py), a
-        sentence of its own; nothing for another error."""
+        sentence after the one it follows (ended here); nothing for another error."""
         split = fragmentation(self.session.probe.read()) if oom else None
-        return f" {split}." if split else ""
+        return f". {split}" if split else ""
 
     def watch_thrashing(self, retries: int, step: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
@@ -265,11 +265,9 @@ class Recovery:
         if fatal:
             details: dict[str, Any] = {"phase": failed.phase, "message": failed.message}
             self.session.emit("oom", **details, micro_batch=failed.micro_batch, recovered=False)
-        holes = self._holes(oom)
         return FitError(
             f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
-            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops"
-            + ("." + holes if holes else "")
+            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops{self._holes(oom)}"
         )
 
     def others_failed(self, ranks: list[int]) -> FitError:
@@ -306,11 +304,10 @@ class Recovery:
         detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
         if oom:
             self.session.emit("oom", phase=phase, message=detail, micro_batch=size, recovered=False)
-        holes = self._holes(oom)
         return FitError(
             f"{what} at micro-batch {size} on rank {rank}, step {self.state.steps + 1}, under FSDP: a rank cannot "
             "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
-            f"peak nears its capacity; this came first){'.' + holes if holes else ''} [{detail}]"
+            f"peak nears its capacity; this came first){self._holes(oom)} [{detail}]"
         )
 
     def job_error(self, failure: Failure | None, agreed: Agreed, closing: bool = False) -> FitError:
