@@ -289,6 +289,19 @@ for name in sys.argv[3:]:
             if rank == 0:
                 hub.add_sink(PauseThenResume(hub, 2, "pause"))
         run(name, mine * 3, make_hub=pause_then_resume, times=True)
+    elif name == "pause-plan":  # rank 0 pauses after step 2 and asks for the plan; resumed once its table came
+        import threading
+        from helpers import on_event
+
+        def pause_and_plan(hub):
+            if rank == 0:
+                hub.add_sink(RequestAt(hub, 2, "pause"))
+                on_event(hub, "paused", lambda: hub.controls.request("plan"), timeout=60)
+                on_event(hub, "plan", lambda: hub.controls.request("resume"), timeout=60)
+                late = threading.Timer(20, hub.controls.request, ("resume",))  # no table while paused: go on
+                late.daemon = True
+                late.start()
+        run(name, mine * 3, make_hub=pause_and_plan)
     elif name == "unused":  # a parameter the forward uses in step 1 only, in a model fit wraps
         class Branchy(torch.nn.Module):
             def __init__(self):
@@ -802,6 +815,17 @@ def test_a_pause_longer_than_the_group_timeout_holds_every_rank(tmp_path):
         assert pause["resumed"][3] - pause["paused"][3] > 6  # past the timeout: heartbeats held it
     a, b = weights(out, "pause")
     assert_close(a, b)
+
+
+def test_a_plan_asked_while_paused_is_made_on_every_rank_before_the_resume(tmp_path):
+    """The plan control reaches both ranks through the paused ranks' heartbeat exchange, and each makes its
+    table there, as one process does, not after the resume."""
+    out = launch(tmp_path, "own-group", "pause-plan")
+    for record in records(out, "pause-plan"):
+        names = [e[0] for e in record["events"]]
+        assert (record["steps"], record.get("error")) == (9, None), record
+        assert "plan" in names and names.index("paused") < names.index("plan") < names.index("resumed"), names
+        assert "control_refused" not in names and "error" not in names, record["events"]
 
 
 def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):

@@ -135,6 +135,7 @@ class Rank:
             self._queue_asked()
             self.exchange(here=True, has_next=True)
             self.boundary.apply_all(self.agreement.take_agreed())
+            self.boundary.planning.paused(batch)  # a plan asked for is made now, as one process makes it
         if state.stop_reason is not None:  # agreed at the last exchange
             return False
         self._queue_asked()
