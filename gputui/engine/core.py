@@ -97,7 +97,7 @@ def _group(
         optimizer=optimizer,
         rank_timeout=o.rank_timeout,
     )
-    return group, Agreement(group.rank, group.world_size, group.exchange_group)
+    return group, Agreement(group.rank, group.world_size, group.exchange_group, group.closing_group)
 
 
 class Core:

@@ -343,6 +343,20 @@ class Recovery:
             f"{who} stopped answering: rank {rank} waited {waited_s} for it at step {at} (rank_timeout={timeout:g})"
         )
 
+    def ended_apart(self, rank: int, other: int, steps: int, closing: bool) -> FitError:
+        """The run ended on one rank and went on on another (the script's loops of unequal length): said on
+        both, in seconds, instead of a collective mismatch or a wait until `rank_timeout`."""
+        fix = "every rank's loop must take as many steps (a DistributedSampler gives each rank as many batches)"
+        if closing:
+            return FitError(
+                f"rank {other} went on to step {steps + 1} after rank {rank}'s loop ended at step "
+                f"{self.state.steps}: {fix}"
+            )
+        return FitError(
+            f"rank {other}'s loop ended at step {steps} while rank {rank}'s went on to step "
+            f"{self.state.steps + 1}: {fix}"
+        )
+
     def no_items(self, everywhere: bool) -> FitError:
         where = "global batch" if everywhere else "batch"
         return FitError(

@@ -410,6 +410,19 @@ for name in sys.argv[3:]:
             record["error"] = str(exc)
         with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
             json.dump(record, f)
+    elif name == "trainer-apart":  # the script's own loop takes a step more on rank 1 (a quiet step: no exchange)
+        import time
+        hubs.install(hubs.Hub())
+        model, record, start = make_model(), {}, time.monotonic()
+        try:
+            with gputui.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), step, rank_timeout=120) as trainer:
+                for b in (mine * 4)[: 10 + rank]:
+                    record["steps"] = trainer.step(b).steps
+        except gputui.FitError as exc:
+            record["error"] = str(exc)
+        record["seconds"] = time.monotonic() - start
+        with open(os.path.join(out, f"{name}.{rank}.json"), "w") as f:
+            json.dump(record, f)
     elif name == "data-error":  # rank 1's data breaks after its first batch
         def broken():
             yield mine[0]
@@ -826,6 +839,21 @@ def test_a_plan_asked_while_paused_is_made_on_every_rank_before_the_resume(tmp_p
         assert (record["steps"], record.get("error")) == (9, None), record
         assert "plan" in names and names.index("paused") < names.index("plan") < names.index("resumed"), names
         assert "control_refused" not in names and "error" not in names, record["events"]
+
+
+def test_a_trainer_loop_longer_on_one_rank_is_said_on_both_in_seconds(tmp_path):
+    """Rank 1's own loop takes an 11th step where rank 0's ended at 10: its synced backward must not meet
+    rank 0's closing exchange (under gloo a collective mismatch aborted the process), and neither rank
+    waits for `rank_timeout` (120 s here): each says what happened, and the fix."""
+    short, long = records(launch(tmp_path, "fit-group", "trainer-apart"), "trainer-apart")
+    fix = "every rank's loop must take as many steps"
+    assert short["error"] == f"rank 1 went on to step 11 after rank 0's loop ended at step 10: {fix}" + SAMPLER, short
+    assert long["error"] == f"rank 0's loop ended at step 10 while rank 1's went on to step 11: {fix}" + SAMPLER, long
+    assert short["steps"] == long["steps"] == 10
+    assert short["seconds"] < 60 and long["seconds"] < 60, (short, long)
+
+
+SAMPLER = " (a DistributedSampler gives each rank as many batches)"
 
 
 def test_fsdp2_equals_one_process_and_prevents_ooms(tmp_path):

@@ -55,11 +55,25 @@ class Roll:
         return [2]
 
 
+class Apart:
+    ended: tuple[int, int] | None = None  # what the store says: (the other rank, its steps)
+    made: list[tuple] = []
+
+    def __init__(self, *args) -> None:
+        self.done = type("Done", (), {"set": lambda self: None})()
+        self.made.append(args)
+
+    def read_again(self):
+        return self.ended
+
+
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(waiting.time, "monotonic", clock)
     monkeypatch.setattr(waiting, "Roll", Roll)
+    monkeypatch.setattr(waiting, "Apart", Apart)
+    monkeypatch.setattr(Apart, "made", [])
     monkeypatch.setenv("GPUTUI_RANK_WAITING_S", "2")
     return clock
 
@@ -71,8 +85,18 @@ def waiter(monkeypatch, stop=lambda: None, timeout_s=10.0):
     def unanswered(ranks, waited, why):
         return FitError(f"{ranks} {waited:g} {why}")
 
+    def ended(other, steps, closing):
+        return FitError(f"apart {other} {steps} {closing}")
+
     w = waiting.Waiter(
-        0, 3, timeout_s=timeout_s, stop_asked=stop, said=lambda r, s: said.append((r, s)), unanswered=unanswered
+        0,
+        3,
+        timeout_s=timeout_s,
+        stop_asked=stop,
+        said=lambda r, s: said.append((r, s)),
+        unanswered=unanswered,
+        ended=ended,
+        steps=lambda: 4,
     )
     return w, said, abandoned
 
@@ -128,17 +152,108 @@ def test_the_transport_giving_up_first_names_the_ranks_too(clock, monkeypatch):
         w.wait(TimedOut(clock, None), 0)
 
 
+def test_a_wait_ends_in_seconds_when_a_run_ended_apart(clock, monkeypatch):
+    """Apart starts after APART_AFTER_S, knowing the steps done and whether this is the closing exchange;
+    once it reads that the run ended on one rank and went on on another, the wait ends with that error."""
+    monkeypatch.setattr(Apart, "ended", (1, 3))
+    w, said, abandoned = waiter(monkeypatch, timeout_s=600)
+    w.closing = True
+    work = Work(clock, done_after=None)
+    with pytest.raises(FitError, match="^apart 1 3 True$"):
+        w.wait(work, 7)
+    assert Apart.made == [(0, 7, 4, True)] and abandoned == [work]
+    assert waiting.APART_AFTER_S <= clock.now <= waiting.APART_AFTER_S + waiting.SLICE_S
+
+
+def test_a_rank_that_left_having_read_the_run_ended_apart_is_named_so(clock, monkeypatch):
+    """The other rank read it first and left: the transport says the peer is gone, one more read why."""
+
+    class Gone(Work):
+        def wait(self, timeout):
+            if self.clock.now >= 2.5:
+                raise RuntimeError("Connection closed by peer [127.0.0.1]:45735")
+            return super().wait(timeout)
+
+    w, _, _ = waiter(monkeypatch)
+    monkeypatch.setattr(Apart, "read_again", lambda self: (1, 4))
+    with pytest.raises(FitError, match="^apart 1 4 False$"):
+        w.wait(Gone(clock, None), 7)
+
+
+class Store(dict):
+    """The job's store, as the roll and Apart call it."""
+
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+    def delete_key(self, key):
+        return self.pop(key, None) is not None
+
+
+def settled(reader, until) -> None:
+    deadline = time.monotonic() + 10
+    while not until():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    reader.done.set()
+
+
+def test_a_closing_rank_and_one_gone_on_each_read_the_other(monkeypatch):
+    """Rank 0 closes after 3 steps (closing exchange 9); rank 1 waits in its 4th: it reads rank 0's key, says
+    it went on and ends; rank 0 reads that."""
+    store = Store()
+    monkeypatch.setattr(waiting, "store", lambda: store)
+    closing = waiting.Apart(0, 9, 3, closing=True)
+    settled_closed = time.monotonic() + 10
+    while waiting.CLOSED not in store:
+        assert time.monotonic() < settled_closed
+        time.sleep(0.01)
+    assert store[waiting.CLOSED] == b"0 3 9"
+    went_on = waiting.Apart(1, -4, 3, closing=False)
+    settled(went_on, lambda: went_on.ended is not None)
+    assert went_on.ended == (0, 3) and store[waiting.WENT_ON] == b"1 3 9"
+    settled(closing, lambda: closing.ended is not None)
+    assert closing.ended == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("kept", "mine"),
+    [
+        ({waiting.CLOSED: b"0 2 5"}, (1, 7, 3, False)),  # closed after 2 steps: an older part of the run
+        ({waiting.WENT_ON: b"1 3 5"}, (0, 9, 3, True)),  # went on past closing exchange 5, not this one (9)
+        ({waiting.CLOSED: b"0 3 9"}, (1, 9, 3, True)),  # both close after 3 steps
+    ],
+)
+def test_keys_of_an_older_part_or_of_ranks_closing_alike_say_nothing(monkeypatch, kept, mine):
+    store = Store(kept)
+    monkeypatch.setattr(waiting, "store", lambda: store)
+    reads = []
+    real = waiting.Apart._read
+    monkeypatch.setattr(waiting.Apart, "_read", lambda self, s: reads.append(1) or real(self, s))
+    apart = waiting.Apart(*mine)
+    settled(apart, lambda: len(reads) >= 1)
+    assert apart.ended is None and dict(store).get(waiting.WENT_ON) == kept.get(waiting.WENT_ON)  # none said it went on
+
+
+def test_ranks_that_closed_together_leave_no_key(monkeypatch):
+    store = Store()
+    monkeypatch.setattr(waiting, "store", lambda: store)
+    apart = waiting.Apart(0, 9, 3, closing=True)
+    settled(apart, lambda: waiting.CLOSED in store)
+    deadline = time.monotonic() + 10
+    while waiting.CLOSED in store:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert apart.ended is None
+
+
 def test_the_roll_names_the_ranks_that_have_not_reached_this_exchange(monkeypatch):
-    class Store(dict):
-        def set(self, key, value):
-            self[key] = value.encode()
-
-        def check(self, keys):
-            return all(k in self for k in keys)
-
-        def get(self, key):
-            return self[key]
-
     store = Store({"gputui/waiting/1": b"7", "gputui/waiting/2": b"6"})  # rank 2 waited at an earlier one
     monkeypatch.setattr(waiting, "store", lambda: store)
     roll = waiting.Roll(0, 4, 7)

@@ -132,9 +132,10 @@ class Agreement:
     asked of it) and what the last exchange told every rank (the ranks' rows, the controls every rank
     applies, the job's micro-batch and batches)."""
 
-    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any = None, closing_group: Any = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.group = group  # the exchange's: the default group, or a gloo one beside nccl (a CPU vector)
+        self.closing_group = closing_group  # the closing exchange's (group.side_group)
         self.wait: Callable[[Any, int], None] = _wait  # how a rank waits for it: the strategy's Waiter
         self.failure: Failure | None = None
         self._outgoing: list[Control] = []
@@ -214,12 +215,14 @@ class Agreement:
         failed_fatal: bool = False,
         marker: float | None = None,
         every: int = 0,
+        closing: bool = False,
     ) -> None:
         """Start the step's one collective (asynchronous, on the CPU), waited for by finish() before the
         synced backward; `items`: this rank's share of the
         global batch's items (samples, unless fit counts items), None: no batch here. Each rank also
         says its micro-batch (what it runs, and its setting: None for the whole batch) and its last
-        step's peak and capacity, in a row of its own (declared above)."""
+        step's peak and capacity, in a row of its own (declared above). `closing`: the run's last exchange,
+        on a group of its own."""
         asked: dict[tuple[str, Any], list[Control]] = {}
         for control in self._outgoing:
             asked.setdefault((control.action, control.value), []).append(control)
@@ -253,7 +256,7 @@ class Agreement:
         }
         counts = [len(asked.get(key, ())) for key in CONTROLS]
         tensor = torch.tensor(encode(job, counts, mine, self.rank, self.world_size), dtype=torch.int64)
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        work = dist.all_reduce(tensor, group=self.closing_group if closing else self.group, async_op=True)
         self._pending = (tensor, asked, work, next(_exchanges))
 
     def finish(self) -> Agreed:

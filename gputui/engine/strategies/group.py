@@ -22,7 +22,7 @@ from ..result import FitError, first_line
 _warned_sampler = False
 _group_ours = False  # the default process group is one a fit made (this process's first, or after an abort)
 _stuck = False  # a collective was given up on: the group cannot be destroyed (it would wait for it)
-_side: tuple[Any, Any] | None = None  # (the default group, the gloo group made beside it under nccl)
+_side: tuple[Any, Any] | None = None  # (the default group, the gloo group made beside it)
 
 
 def join(device: torch.device, timeout_s: float) -> None:
@@ -42,14 +42,18 @@ def join(device: torch.device, timeout_s: float) -> None:
 
 
 def exchange_group(timeout_s: float) -> Any:
-    """The group fit's exchange travels on: the default one under gloo; under nccl a gloo side group,
-    so the exchange is a CPU collective (no device copy, a wait that can be sliced); made once a
-    default group (every rank makes it at the same point: new_group is a collective)."""
+    """The group fit's exchange travels on: the default one under gloo; under nccl the gloo side group,
+    so the exchange is a CPU collective (no device copy, a wait that can be sliced)."""
+    return None if dist.get_backend() == "gloo" else side_group(timeout_s)
+
+
+def side_group(timeout_s: float) -> Any:
+    """A gloo group beside the default one, made once a default group (every rank makes it at the same
+    point: new_group is a collective): under nccl the exchange's; always the closing exchange's, which
+    must never meet a rank that went on to another step's collectives (a loop longer on one rank)."""
     global _side
     from torch.distributed.distributed_c10d import _get_default_group
 
-    if dist.get_backend() == "gloo":
-        return None
     default = _get_default_group()
     if _side is None or _side[0] is not default:
         _side = (default, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))

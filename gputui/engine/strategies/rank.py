@@ -52,7 +52,7 @@ class Rank:
         self._cooling = 0  # steps before the OOM prevention looks at the peaks again
         self._ooms_seen: dict[int, int] = {}  # every other rank's OOMs recovered, as the last exchange said
         self._signalled: str | None = None  # the stop signal this rank said at the exchange under way
-        waiter = Waiter(
+        self._waiter = waiter = Waiter(
             group.rank,
             group.world_size,
             timeout_s=group.rank_timeout,
@@ -61,6 +61,8 @@ class Rank:
             unanswered=lambda ranks, waited, stop: recovery.unanswered(
                 group.rank, ranks, waited, stop, group.rank_timeout
             ),
+            ended=lambda other, steps, closing: recovery.ended_apart(group.rank, other, steps, closing),
+            steps=lambda: state.steps,
         )
         agreement.wait = waiter.wait
         if group.marker is not None:  # the synced backward's last bucket is waited for the same way
@@ -115,7 +117,11 @@ class Rank:
         """One closing exchange: a failure said after the last step (an optimizer.step() that failed
         there) reaches every rank, which raise FitError together."""
         self.group.set_epoch(epochs_done)  # a later fit on the same sampler goes on with the next shuffle
-        agreed = self.agreement.exchange(items=None, has_next=False, stop=None)
+        self._waiter.closing = True
+        try:
+            agreed = self.agreement.exchange(items=None, has_next=False, stop=None, closing=True)
+        finally:
+            self._waiter.closing = False
         if agreed.fatal:
             raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
 

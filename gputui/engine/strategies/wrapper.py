@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .group import collective, distributed_sampler, exchange_group, job_id, join, warn_sampler
+from .group import collective, distributed_sampler, exchange_group, job_id, join, side_group, warn_sampler
 from .verdict import MASKED_RANKS, Marker, arrival, reachable, tensors, with_marker
 
 UNUSED = (
@@ -53,6 +53,7 @@ class Distributed:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.rank_timeout = rank_timeout  # how long a rank waits for the others before it gives up
         self.exchange_group = exchange_group(rank_timeout)
+        self.closing_group = side_group(rank_timeout)
         self.marker: Marker | None = None  # the verdict on DDP's last bucket (else: a CPU all_reduce of its own)
         self._failed = (0, 0)  # this rank's verdict on its synced backward: failed, cannot go on
         self._buffer_sync: tuple[str, bool] | None = None
