@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from . import __version__
+from .interrupts import notice
 from .units import parse_size
 
 
@@ -274,8 +275,7 @@ def _terminated(hub: Any, signum: int, frame: Any) -> None:
     fit, while it runs, has its own handler that does the same."""
     if hub.stop_signal is None:
         hub.stop_signal = "terminated"
-        # No lock may be taken in a handler (the interrupted code may hold it): write directly.
-        sys.stderr.write("\ngputui: terminated: finishing the current step, then stopping (again to stop at once)\n")
+        notice("\ngputui: terminated: finishing the current step, then stopping (again to stop at once)\n")
         return
     raise SystemExit(128 + signum)
 

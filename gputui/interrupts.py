@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -100,3 +101,12 @@ def _wait(announce: Callable[[str], None]) -> None:
             announced.add(path)
             announce(path)
         _changed.wait()
+
+
+def notice(line: str) -> None:
+    """A line to stderr from a signal handler: written directly (no lock may be taken there; the
+    interrupted code may hold it), and never raising: a stderr that is gone (a pipe whose reader a
+    Ctrl-C ended, `| tee` say, or a hung-up terminal) must not turn the stop it announces into a crash
+    of whatever the handler interrupted."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: stderr closed
+        sys.stderr.write(line)

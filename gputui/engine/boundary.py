@@ -5,12 +5,12 @@ remedy never lands inside an accumulation window."""
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..interrupts import notice
 from ..step.checkpointing import Checkpointing
 from ..step.precision import Precision
 from ..telemetry.controls import Control
@@ -193,11 +193,8 @@ class Boundary:
                 raise SystemExit(128 + signum)
             self.signal = names[signum]
             first.append(time.monotonic())
-            # No lock may be taken in a handler (the interrupted code may hold it): write directly.
             again = f"again after {REPEATED_SIGNAL_S:g} s" if shared else "again"
-            sys.stderr.write(
-                f"\ngputui: {self.signal}: finishing the current step, then stopping ({again} to stop at once)\n"
-            )
+            notice(f"\ngputui: {self.signal}: finishing the current step, then stopping ({again} to stop at once)\n")
 
         for sig in names:
             signal.signal(sig, handler)

@@ -175,6 +175,26 @@ def test_a_second_ctrl_c_during_shutdown_is_quiet_and_the_socket_goes(tmp_path, 
     assert json.loads(metrics.read_text().splitlines()[-1])["kind"] == "end"
 
 
+@pytest.mark.parametrize("how", [["python"], ["gputui", "run", "--headless"]])
+def test_a_stop_signal_with_stderr_gone_still_finishes_the_step_and_saves(tmp_path, env, processes, how):
+    """`python train.py 2>&1 | tee log`, then Ctrl-C: the terminal's SIGINT ends tee first, so the handler's
+    "finishing the current step" goes to a closed pipe. Before, that write raised BrokenPipeError in
+    whatever the handler interrupted (the step), and the run failed instead of stopping. Under `gputui
+    run` the script's streams pass through gputui's own pump, whose writes were guarded already."""
+    path, out = write_script(tmp_path, after="print('after the save', flush=True)"), tmp_path / "out.pt"
+    sig = signal.SIGINT if how == ["python"] else signal.SIGTERM  # gputui run's own handler takes SIGTERM
+    argv = [sys.executable, path, out] if how == ["python"] else [sys.executable, "-m", "gputui", *how[1:], path, out]
+    proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    wait_until(lambda: proc.stdout.readline().startswith(b"step "), message="no step", process=proc)
+    proc.stderr.close()
+    proc.send_signal(sig)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and b"after the save" in stdout, stdout[-2000:]
+    import torch
+
+    assert torch.load(out)["stopped"] == ("interrupted" if sig == signal.SIGINT else "terminated")
+
+
 SLOW_SAVE = """
 import os, sys, time
 import gputui, torch
