@@ -139,6 +139,8 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
     state = RunSummary.from_json(summary).outcome if summary else "starting" if info is None else "training"
     if state == "training" and hello.get("idle_since"):  # the script works outside a step (evaluates, saves)
         state = "between"
+    if state == "training" and _paused(welcome):
+        state = "paused"
     waiting = None if summary else _waiting(welcome)
     if waiting is not None:
         state = "waiting"
@@ -170,6 +172,14 @@ def _row(job: Job, welcome: Welcome) -> dict[str, Any]:
         f"{step:>11}  {format_duration(data['uptime_s']):>9}  {job.path}" + (f"  ({waiting})" if waiting else "")
     )
     return data
+
+
+def _paused(welcome: Welcome) -> bool:
+    """Whether the job's last pause (`p`, or an OOM with auto-recover off) has not been resumed."""
+    for record in reversed(welcome.events):
+        if record.get("name") in ("paused", "resumed"):
+            return record["name"] == "paused"
+    return False
 
 
 def _waiting(welcome: Welcome) -> str | None:

@@ -304,6 +304,23 @@ def test_jobs_says_a_rank_waits_until_its_next_step(monkeypatch):
     assert describe(EVENT) == "waiting for rank 1 since step 4 (61s)"
 
 
+def test_jobs_says_a_job_is_paused_until_it_resumes():
+    """`gputui jobs` says what the job's screen says: paused from the pause (a key, an OOM) to the resume."""
+    welcome = Welcome(hello={"info": RunInfo(argv=("train.py",)).to_json()})
+    welcome.latest = step(3, t=1.0)
+
+    def state() -> str:
+        return jobs._row(Job(1, "/tmp/x.sock"), welcome)["state"]
+
+    assert state() == "training"
+    welcome.events.append(Event("paused", 3, {"reason": "oom"}, t=1001.0).to_json())
+    assert state() == "paused"
+    welcome.events.append(Event("control_refused", 3, {"action": "plan"}, t=1002.0).to_json())
+    assert state() == "paused"
+    welcome.events.append(Event("resumed", 3, {}, t=1003.0).to_json())
+    assert state() == "training"
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
 def test_the_waiting_threshold_and_the_kill_delay_are_positive_numbers(monkeypatch, value):
     from gputui.torchrun import TorchrunJob
