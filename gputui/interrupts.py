@@ -108,5 +108,5 @@ def notice(line: str) -> None:
     interrupted code may hold it), and never raising: a stderr that is gone (a pipe whose reader a
     Ctrl-C ended, `| tee` say, or a hung-up terminal) must not turn the stop it announces into a crash
     of whatever the handler interrupted."""
-    with contextlib.suppress(OSError, ValueError):  # ValueError: stderr closed
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # closed; None (a process with no stderr)
         sys.stderr.write(line)

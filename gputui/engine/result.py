@@ -97,6 +97,10 @@ class Agreed:
     """The reduced value of the gradient element the marker took (verdict.py), put back after it."""
     every: int = 0
     """Steps between two exchanges when no rank has anything to say (rank 0's proposal)."""
+    closing: int = 0
+    """Ranks whose run was closing (their last exchange): on a group shared with the steps' exchange (NCCL's
+    gloo side group), one closing where others are not is a run that ended on one rank only."""
+    closing_ranks: list[int] = field(default_factory=list)
 
 
 def first_line(exc: BaseException) -> str:

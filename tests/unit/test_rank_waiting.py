@@ -227,10 +227,9 @@ def test_a_closing_rank_and_one_gone_on_each_read_the_other(monkeypatch):
     [
         ({waiting.CLOSED: b"0 2 5"}, (1, 7, 3, False)),  # closed after 2 steps: an older part of the run
         ({waiting.WENT_ON: b"1 3 5"}, (0, 9, 3, True)),  # went on past closing exchange 5, not this one (9)
-        ({waiting.CLOSED: b"0 3 9"}, (1, 9, 3, True)),  # both close after 3 steps
     ],
 )
-def test_keys_of_an_older_part_or_of_ranks_closing_alike_say_nothing(monkeypatch, kept, mine):
+def test_keys_of_an_older_part_of_the_run_say_nothing(monkeypatch, kept, mine):
     store = Store(kept)
     monkeypatch.setattr(waiting, "store", lambda: store)
     reads = []

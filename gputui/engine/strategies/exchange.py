@@ -68,6 +68,8 @@ JOB: dict[str, Kind] = {
     "failed_fatal": COUNT,  # of those, ranks that cannot go on
     "failed_ranks": COUNT,  # those ranks below MASKED_RANKS, one bit each
     "every": COUNT,  # rank 0's steps between two exchanges when no rank has news
+    "closing": COUNT,  # ranks whose run is closing: this is their last exchange
+    "closing_ranks": COUNT,  # those ranks below MASKED_RANKS, one bit each
 }
 MASKED_RANKS = 62  # fatal_ranks names ranks below this one (bits of an int64)
 STOPS = ("terminated", "interrupted", "requested")
@@ -240,6 +242,8 @@ class Agreement:
             "failed_fatal": failed and failed_fatal,
             "failed_ranks": 1 << self.rank if failed and self.rank < MASKED_RANKS else 0,
             "every": every,
+            "closing": closing,
+            "closing_ranks": 1 << self.rank if closing and self.rank < MASKED_RANKS else 0,
         }
         job["requested"] = job["requested"] or bool(asked.pop(("stop", None), None))
         mine = {
@@ -303,4 +307,6 @@ class Agreement:
             failed_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["failed_ranks"] >> r & 1],
             marker=None if None in markers else sum(markers),
             every=totals["every"],
+            closing=totals["closing"],
+            closing_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["closing_ranks"] >> r & 1],
         )

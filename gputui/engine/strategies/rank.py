@@ -122,6 +122,10 @@ class Rank:
             agreed = self.agreement.exchange(items=None, has_next=False, stop=None, closing=True)
         finally:
             self._waiter.closing = False
+        d = self.group
+        if agreed.closing < d.world_size:  # it met another rank's step (one group for both: NCCL's side group)
+            other = next((r for r in range(d.world_size) if r not in agreed.closing_ranks), 0)
+            raise self.recovery.ended_apart(d.rank, other, self.state.steps, closing=True)
         if agreed.fatal:
             raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
 
@@ -242,6 +246,9 @@ class Rank:
         """Wait for the exchange started last. A stop agreed there is this rank's from now on."""
         d, state = self.group, self.state
         agreed = self.agreement.finish()
+        if agreed.closing:  # another rank's closing exchange: its run ended where this one's went on
+            other = agreed.closing_ranks[0] if agreed.closing_ranks else 0
+            raise self.recovery.ended_apart(d.rank, other, state.steps, closing=False)
         if agreed.stop is not None and state.stop_reason is None:
             state.stop_reason = self._signalled or agreed.stop
         for (
