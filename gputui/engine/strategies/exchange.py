@@ -21,6 +21,7 @@ from ...telemetry.controls import ACTIONS, Control
 from ...telemetry.sample import RankMemory
 from ..result import Agreed, Failure
 from .group import collective
+from .verdict import rank_bit, ranks_in
 
 _exchanges = itertools.count()  # this process's exchanges: the same count on every rank, every fit alike
 
@@ -60,7 +61,7 @@ JOB: dict[str, Kind] = {
     "has_next": COUNT,  # ranks with another batch after this one
     "fatal": COUNT,  # ranks that cannot go on
     "fatal_oom": COUNT,  # of those, out of memory
-    "fatal_ranks": COUNT,  # the failing ranks below MASKED_RANKS, one bit each
+    "fatal_ranks": COUNT,  # the failing ranks (rank_bit: below MASKED_RANKS, one bit each)
     "interrupted": COUNT,  # ranks a SIGINT reached
     "terminated": COUNT,  # ranks a SIGTERM reached
     "requested": COUNT,  # ranks asked to stop (the stop control)
@@ -71,7 +72,6 @@ JOB: dict[str, Kind] = {
     "closing": COUNT,  # ranks whose run is closing: this is their last exchange
     "closing_ranks": COUNT,  # those ranks below MASKED_RANKS, one bit each
 }
-MASKED_RANKS = 62  # fatal_ranks names ranks below this one (bits of an int64)
 STOPS = ("terminated", "interrupted", "requested")
 """The stop slots, each named for the reason it gives; the first set wins."""
 
@@ -224,7 +224,7 @@ class Agreement:
         global batch's items (samples, unless fit counts items), None: no batch here. Each rank also
         says its micro-batch (what it runs, and its setting: None for the whole batch) and its last
         step's peak and capacity, in a row of its own (declared above). `closing`: the run's last exchange,
-        on a group of its own."""
+        on the closing group (group.side_group), said in its slots."""
         asked: dict[tuple[str, Any], list[Control]] = {}
         for control in self._outgoing:
             asked.setdefault((control.action, control.value), []).append(control)
@@ -236,14 +236,14 @@ class Agreement:
             "has_next": has_next,
             "fatal": failure is not None,
             "fatal_oom": failure is not None and failure.oom,
-            "fatal_ranks": 1 << self.rank if failure is not None and self.rank < MASKED_RANKS else 0,
+            "fatal_ranks": rank_bit(self.rank, failure is not None),
             **{reason: stop == reason for reason in STOPS},
             "failed": failed,
             "failed_fatal": failed and failed_fatal,
-            "failed_ranks": 1 << self.rank if failed and self.rank < MASKED_RANKS else 0,
+            "failed_ranks": rank_bit(self.rank, failed),
             "every": every,
             "closing": closing,
-            "closing_ranks": 1 << self.rank if closing and self.rank < MASKED_RANKS else 0,
+            "closing_ranks": rank_bit(self.rank, closing),
         }
         job["requested"] = job["requested"] or bool(asked.pop(("stop", None), None))
         mine = {
@@ -300,13 +300,13 @@ class Agreement:
             all_have_next=totals["has_next"] == self.world_size,
             fatal=totals["fatal"],
             fatal_oom=totals["fatal_oom"],
-            fatal_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["fatal_ranks"] >> r & 1],
+            fatal_ranks=ranks_in(totals["fatal_ranks"], self.world_size),
             stop=next((reason for reason in STOPS if totals[reason]), None),
             failed=totals["failed"],
             failed_fatal=totals["failed_fatal"],
-            failed_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["failed_ranks"] >> r & 1],
+            failed_ranks=ranks_in(totals["failed_ranks"], self.world_size),
             marker=None if None in markers else sum(markers),
             every=totals["every"],
             closing=totals["closing"],
-            closing_ranks=[r for r in range(min(self.world_size, MASKED_RANKS)) if totals["closing_ranks"] >> r & 1],
+            closing_ranks=ranks_in(totals["closing_ranks"], self.world_size),
         )

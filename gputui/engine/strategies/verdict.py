@@ -19,7 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MASKED_RANKS = 62  # the verdict of a script's DDP names the failing ranks below this one (bits of an int64)
+MASKED_RANKS = 62  # a slot naming ranks (the exchange's, a script's DDP's verdict) names those below (int64 bits)
+
+
+def rank_bit(rank: int, flag: object) -> int:
+    """This rank's share of a slot naming ranks (one bit each, below MASKED_RANKS) where `flag` holds."""
+    return 1 << rank if flag and rank < MASKED_RANKS else 0
+
+
+def ranks_in(bits: int, world_size: int) -> list[int]:
+    """The ranks a summed slot of rank_bit()s names."""
+    return [r for r in range(min(world_size, MASKED_RANKS)) if bits >> r & 1]
 
 
 class Marker:

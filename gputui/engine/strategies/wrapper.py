@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .group import collective, distributed_sampler, exchange_group, job_id, join, side_group, warn_sampler
-from .verdict import MASKED_RANKS, Marker, arrival, reachable, tensors, with_marker
+from .verdict import Marker, arrival, rank_bit, ranks_in, reachable, tensors, with_marker
 
 UNUSED = (
     "some parameters got no gradient in this step, so DDP could not finish its reduction, and fit wrapped "
@@ -235,11 +235,11 @@ class Distributed:
         failed, of which cannot go on, the failing ranks), by a CPU all_reduce of the verdicts. Every
         rank drops the step's gradients on a failure."""
         failed, fatal = self._failed
-        bit = 1 << self.rank if failed and self.rank < MASKED_RANKS else 0
+        bit = rank_bit(self.rank, failed)
         tensor = torch.tensor([failed, fatal, bit], dtype=torch.int64)  # on the CPU: no wait for the device
         collective(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.exchange_group)
         failures, fatals, ranks = tensor.tolist()
-        return failures, fatals, [r for r in range(min(self.world_size, MASKED_RANKS)) if ranks >> r & 1]
+        return failures, fatals, ranks_in(ranks, self.world_size)
 
     def rebuild_buckets(self) -> None:
         """DDP rebuilds its buckets (rank 0 broadcasts their order) in the first forward after the first
