@@ -49,8 +49,9 @@ def exchange_group(timeout_s: float) -> Any:
 
 def side_group(timeout_s: float) -> Any:
     """A gloo group beside the default one, made once a default group (every rank makes it at the same
-    point: new_group is a collective): under nccl the exchange's; always the closing exchange's, which
-    must never meet a rank that went on to another step's collectives (a loop longer on one rank)."""
+    point: new_group is a collective): under nccl the exchange's; always the closing exchange's, so under
+    gloo it never meets DDP's all-reduce of a rank that went on (a loop longer on one rank; under nccl it
+    meets that rank's exchange, whose `closing` slots say it)."""
     global _side
     from torch.distributed.distributed_c10d import _get_default_group
 
