@@ -104,9 +104,11 @@ def _wait(announce: Callable[[str], None]) -> None:
 
 
 def notice(line: str) -> None:
-    """A line to stderr from a signal handler: written directly (no lock may be taken there; the
-    interrupted code may hold it), and never raising: a stderr that is gone (a pipe whose reader a
-    Ctrl-C ended, `| tee` say, or a hung-up terminal) must not turn the stop it announces into a crash
-    of whatever the handler interrupted."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # closed; None (a process with no stderr)
+    """A line to stderr from a signal handler, never raising: a stderr that is gone (a pipe whose reader
+    a Ctrl-C ended, `| tee` say, or a hung-up terminal), or one the handler interrupted a write to (a
+    write blocked on a full pipe or a terminal held by Ctrl-S runs the handler with the stream's lock
+    held: Python says "reentrant call"), must not turn the stop it announces into a crash of whatever
+    the handler interrupted. The line is lost then; the stop is not."""
+    # OSError, ValueError: closed; RuntimeError: reentrant; AttributeError: None (a process with no stderr)
+    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
         sys.stderr.write(line)

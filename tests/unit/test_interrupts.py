@@ -1,3 +1,5 @@
+import io
+import sys
 import textwrap
 import threading
 
@@ -54,3 +56,30 @@ def test_the_process_never_exits_mid_save(tmp_path):
     done = python("-c", code)
     assert done.returncode == 5, done.stderr
     assert saved.exists()
+
+
+class _Blocked(io.RawIOBase):
+    """A stderr whose write is interrupted by a signal: the handler runs inside the buffered writer's
+    write, its lock held, as when a write blocked on a full pipe (`| tee`) or a terminal held by Ctrl-S
+    takes a Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.handled = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if not self.handled:
+            self.handled = True
+            interrupts.notice("gputui: interrupt: finishing the current step\n")
+        self.written += bytes(b)
+        return len(b)
+
+
+def test_a_notice_from_a_handler_that_interrupted_a_write_to_stderr_does_not_raise(monkeypatch):
+    raw = _Blocked()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=True))
+    sys.stderr.write("step 7/100 | loss 2.31\n")  # the progress line the signal landed in
+    assert raw.handled and raw.written.decode() == "step 7/100 | loss 2.31\n"  # written whole; the notice lost
