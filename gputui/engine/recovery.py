@@ -1,11 +1,10 @@
-"""What follows an out-of-memory error, and the one place that says so: every OOM event and every
-FitError a step can end with is made here. The strategies decide when (which rank, which phase);
-this decides what (drop the attempt, the micro-batch to retry at, or the run's end and its words)."""
+"""What follows an out-of-memory error: drop the attempt, the micro-batch to retry at (the user's
+remedy when auto-recover is off), the allocator's thrashing watched, or the run's end (its words in
+endings.py). The strategies decide when (which rank, which phase); this decides what."""
 
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -15,10 +14,10 @@ import torch
 from ..telemetry.controls import BATCH_NORM_FLOOR, REMEDIES
 from ..units import format_bytes
 from .boundary import Boundary
-from .diagnosis import fragmentation
-from .oom import Buffers, Generators, OomInfo, drop, is_oom
+from .endings import Endings, holes
+from .oom import Buffers, Generators, OomInfo, drop
 from .planhook import PlanningHook
-from .result import Agreed, Failure, FitError, first_line
+from .result import Failure, FitError, add_note, first_line
 from .session import RunSession
 from .state import RunState
 
@@ -26,7 +25,8 @@ MAX_RETRIES = 16
 """OOMs in a row on one global batch before the run ends: a guard against remedies that do not help."""
 
 THRASHING_STEPS = 3
-"""Steps in a row with new allocator retries before a pre-emptive halving."""
+"""Readings in a row with new allocator retries (at least one every two steps) before a pre-emptive
+halving."""
 
 
 class Recovery:
@@ -45,6 +45,7 @@ class Recovery:
         self.optimizer, self.generators, self.buffers = optimizer, generators, buffers
         self.session, self.state, self.boundary, self.planning = session, state, boundary, planning
         self.shared = shared
+        self.endings = Endings(session, state)  # the words a run ends with when a step cannot be trained on
         self.thrashing = False  # this rank's allocator thrashed since its last exchange (torchrun)
         self._retries: tuple[int, int, int, int] | None = None
         """At the last reading: the allocator's retries, readings in a row they grew, the steps those
@@ -109,8 +110,8 @@ class Recovery:
         parts.append(partial(session.probe.after_oom, self.state.baseline))
         if self.shared:
             # A failed attempt's DDP/FSDP objects can sit in an old generation's cycle: one left to the
-            # interpreter's exit is torn down after its process group and aborts the process (SIGABRT in
-            # 2 of 22 FSDP test launches with the young generations' collection alone, 0 of 15 with this).
+            # interpreter's exit is torn down after its process group and aborts the process (SIGABRT):
+            # a whole collection, not the young generations' alone.
             parts.append(gc.collect)
         return parts
 
@@ -145,7 +146,8 @@ class Recovery:
             if oom.micro_batch <= 1:
                 session.emit("oom", **details, recovered=False)
                 raise FitError(
-                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits{self._holes()}. Try "
+                    f"out of memory in {oom.phase} at micro-batch 1: not even one sample fits"
+                    f"{holes(self.session)}. Try "
                     f"AMP (bf16), activation checkpointing, a shorter sequence or a smaller model ({oom.message})"
                 )
             if oom.micro_batch <= state.sizing.floor:
@@ -197,12 +199,6 @@ class Recovery:
             return False
         state.ooms_recovered += 1  # the user's remedy (or retry as it was): the run goes on from this OOM
         return True
-
-    def _holes(self, oom: bool = True) -> str:
-        """An unrecoverable OOM's error: the fragmentation that ran out, where it did (diagnosis.py), a
-        sentence after the one it follows (ended here); nothing for another error."""
-        split = fragmentation(self.session.probe.read()) if oom else None
-        return f". {split}" if split else ""
 
     def watch_thrashing(self, retries: int, step: int) -> None:
         """The allocator retrying (freeing its whole cache, then allocating again) step after step
@@ -259,112 +255,6 @@ class Recovery:
             return f"rank {rank}, step {self.state.steps + 1}: {exc}"
         return None
 
-    def synced_failure(self, failed: OomInfo, fatal: bool, oom: bool, rank: int) -> FitError:
-        """This rank's synced backward failed and cannot be replayed (`oom`: it ran out of memory): every
-        rank stops."""
-        if fatal:
-            details: dict[str, Any] = {"phase": failed.phase, "message": failed.message}
-            self.session.emit("oom", **details, micro_batch=failed.micro_batch, recovered=False)
-        return FitError(
-            f"{failed.message} in the synced {failed.phase} at micro-batch {failed.micro_batch} on rank "
-            f"{rank}, step {self.state.steps + 1}: cannot recover here, so every rank stops{self._holes(oom)}"
-        )
-
-    def others_failed(self, ranks: list[int]) -> FitError:
-        """`ranks`: those the verdict could name (below its dtype's bits), maybe none."""
-        who = f"rank {', '.join(map(str, ranks))}" if ranks else "another rank"
-        return FitError(
-            f"{who} stopped at step {self.state.steps + 1} (said in the synced backward): "
-            "every rank stops; that rank's output says why"
-        )
-
-    def buckets_failed(self, message: str, rank: int, exc: BaseException) -> FitError:
-        return FitError(
-            f"{message} in the synced backward on rank {rank}, step {self.state.steps + 1}, and completing its "
-            f"gradient buckets failed too: the other ranks may be left waiting [{drop(exc)}]"
-        )
-
-    def optimizer_failed(self, exc: Exception, rank: int) -> tuple[str, bool]:
-        """optimizer.step() failed on this rank after the others stepped: not safe to retry. The words
-        for the next exchange, and whether it was an OOM."""
-        oom = is_oom(exc)
-        why = "out of memory" if oom else f"{type(exc).__name__}"
-        message = (
-            f"{why} inside optimizer.step() on rank {rank} at step {self.state.steps + 1}: not safe to retry, "
-            f"so every rank stops [{drop(exc) if oom else exc}]"
-        )
-        if oom:
-            self.session.emit("oom", phase="optimizer", message=message, recovered=False)
-        return message, oom
-
-    def fsdp_failure(self, exc: Exception, phase: str, size: int, rank: int) -> FitError:
-        """A failure mid-step under FSDP: this rank cannot complete the collectives the others are in."""
-        oom = is_oom(exc)
-        what = f"out of memory in {phase}" if oom else f"{type(exc).__name__} in {phase}"
-        detail = drop(exc) if oom else str(exc).splitlines()[0] if str(exc) else ""
-        if oom:
-            self.session.emit("oom", phase=phase, message=detail, micro_batch=size, recovered=False)
-        return FitError(
-            f"{what} at micro-batch {size} on rank {rank}, step {self.state.steps + 1}, under FSDP: a rank cannot "
-            "finish its step's collectives alone, so every rank stops (fit halves every rank before a step "
-            f"peak nears its capacity; this came first){self._holes(oom)} [{detail}]"
-        )
-
-    def job_error(self, failure: Failure | None, agreed: Agreed, closing: bool = False) -> FitError:
-        """The error every rank raises together after a step some rank could not train (`closing`: at
-        the exchange after the last step)."""
-        if failure is not None:
-            error = FitError(failure.message)
-            error.__cause__ = failure.error
-            for note in failure.notes:
-                add_note(error, note)
-            return error
-        if agreed.fatal:
-            ranks = ", ".join(map(str, agreed.fatal_ranks)) or "another rank"
-            why = "out of memory" if agreed.fatal_oom == agreed.fatal else "an error"
-            steps = self.state.steps
-            when = f"after step {steps}" if closing else f"at step {steps + 1}"
-            return FitError(f"rank {ranks} stopped {when} ({why}): every rank stops; that rank's output says why")
-        return FitError(
-            f"a rank's data yielded no batch in epoch {self.state.epoch + 1} while others had some: each rank needs "
-            "at least one (a DistributedSampler gives every rank the same number)"
-        )
-
-    def unanswered(self, rank: int, ranks: list[int], waited: float, stop: str | None, timeout: float) -> FitError:
-        """This rank gave up waiting for the others at the exchange: asked to stop, or at `rank_timeout`."""
-        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        at, waited_s = self.state.steps + 1, f"{waited:.0f} s"
-        if stop is not None:
-            return FitError(
-                f"rank {rank} stopped ({stop}) while waiting for {who}, which stopped answering at step {at} "
-                f"({waited_s})"
-            )
-        return FitError(
-            f"{who} stopped answering: rank {rank} waited {waited_s} for it at step {at} (rank_timeout={timeout:g})"
-        )
-
-    def ended_apart(self, rank: int, other: int, steps: int, closing: bool) -> FitError:
-        """The run ended on one rank and went on on another (the script's loops of unequal length): said on
-        both, in seconds, instead of a collective mismatch or a wait until `rank_timeout`."""
-        fix = "every rank's loop must take as many steps (a DistributedSampler gives each rank as many batches)"
-        if closing:
-            return FitError(
-                f"rank {other} went on to step {steps + 1} after rank {rank}'s loop ended at step "
-                f"{self.state.steps}: {fix}"
-            )
-        return FitError(
-            f"rank {other}'s loop ended at step {steps} while rank {rank}'s went on to step "
-            f"{self.state.steps + 1}: {fix}"
-        )
-
-    def no_items(self, everywhere: bool) -> FitError:
-        where = "global batch" if everywhere else "batch"
-        return FitError(
-            f"items() counted 0 items in the whole {where} of step {self.state.steps + 1}"
-            + (", on every rank" if everywhere else "")
-            + ": no loss to train"
-        )
-
 
 UNDO = "undo the failed step"
 
@@ -386,15 +276,3 @@ def past_failures(parts: Iterable[Callable[[], Any]], what: str) -> list[str]:
         except Exception as exc:
             lines.append(f"gputui could not {what} ({type(exc).__name__}: {first_line(exc)})")
     return lines
-
-
-def add_note(error: BaseException, line: str) -> None:
-    """A line under an error that stays the one raised, once: a note (Python 3.11+), on stderr where there are
-    none (not a warning: one turned into an error would replace the error it is about)."""
-    if line in getattr(error, "__notes__", ()):
-        return
-    note = getattr(error, "add_note", None)
-    if note is not None:
-        note(line)
-    else:
-        sys.stderr.write(f"gputui: {line}\n")

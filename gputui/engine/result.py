@@ -3,6 +3,7 @@ step failed with and what the ranks agreed (plain dataclasses: no torch)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from ..telemetry.run import RunSummary
@@ -107,3 +108,15 @@ def first_line(exc: BaseException) -> str:
     """An error's first line (a CUDA error's advice runs on for lines); its type where it says nothing."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def add_note(error: BaseException, line: str) -> None:
+    """A line under an error that stays the one raised, once: a note (Python 3.11+), on stderr where there are
+    none (not a warning: one turned into an error would replace the error it is about)."""
+    if line in getattr(error, "__notes__", ()):
+        return
+    note = getattr(error, "add_note", None)
+    if note is not None:
+        note(line)
+    else:
+        sys.stderr.write(f"gputui: {line}\n")

@@ -173,9 +173,9 @@ def test_an_oom_that_ends_a_torchrun_job_names_the_fragmentation_too(monkeypatch
     core = Core(model, conv_step, sgd(model), FitOptions())
     with core.running():
         recovery, exc = core.recovery, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
-        fsdp = str(recovery.fsdp_failure(exc, "backward", 1, 1))
-        synced = str(recovery.synced_failure(OomInfo("backward", str(exc), 1, 0), True, True, 1))
-        other = str(recovery.synced_failure(OomInfo("backward", "ValueError: no", 1, 0), True, False, 1))
+        fsdp = str(recovery.endings.fsdp_failure(exc, "backward", 1, 1))
+        synced = str(recovery.endings.synced_failure(OomInfo("backward", str(exc), 1, 0), True, True, 1))
+        other = str(recovery.endings.synced_failure(OomInfo("backward", "ValueError: no", 1, 0), True, False, 1))
     said = "121 MiB of the 262 MiB reserved is free but split between live blocks (fragmentation)"
     assert said in fsdp and fsdp.endswith("[CUDA out of memory. Tried to allocate 16.00 MiB]"), fsdp
     assert said in synced and "so every rank stops. 121 MiB" in synced, synced

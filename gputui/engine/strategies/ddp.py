@@ -112,7 +112,7 @@ class Ddp(Rank):
                     agreed = self._exchanged(self.finish_exchange())
                     if agreed.fatal or not agreed.all_have_batch:
                         recovery.drop_for(self.agreement.failure)
-                        raise recovery.job_error(self.agreement.failure, agreed)
+                        raise recovery.endings.job_error(self.agreement.failure, agreed)
                 if self.agreement.failure is not None and not told:  # after the exchange went out, or none did
                     raise self._failed_before_synced(agreed, more, quiet)
                 assert last is not None
@@ -208,7 +208,7 @@ class Ddp(Rank):
         recovery.drop_for(failure)
         self._complete_buckets(None, failure.message)
         told = self._verdict(more, quiet, agreed.items)[3]  # the others read theirs: this one's says what they do
-        return recovery.job_error(failure, told or agreed)
+        return recovery.endings.job_error(failure, told or agreed)
 
     def _forward(self, batch: Any, quiet: bool) -> Forwarded | OomInfo | None:
         """Every micro-batch under no_sync() but the last, and the last one's forward: nothing
@@ -255,7 +255,7 @@ class Ddp(Rank):
         loss, n, count, loss_sum = last.loss, last.items, last.pieces, last.loss_sum
         if not agreed.items:  # the same on every rank: all raise here, before any collective
             recovery.drop_step()
-            raise recovery.no_items(everywhere=True)
+            raise recovery.endings.no_items(everywhere=True)
         scale = world * state.units / agreed.items
         if not quiet and count > 1 and scale != 1:  # the no_sync micro-batches were weighted by this rank's share alone
             for group in runner.optimizer.param_groups:
@@ -305,14 +305,14 @@ class Ddp(Rank):
         if told is not None and told.fatal:  # a rank's failure before its synced backward, said only now
             del weighted
             recovery.drop_for(self.agreement.failure)
-            raise recovery.job_error(self.agreement.failure, told)
+            raise recovery.endings.job_error(self.agreement.failure, told)
         if failures:
             del weighted
             if not fatals:
                 return False, failed
             if failed is None:
-                raise recovery.dropped(recovery.others_failed(ranks))
-            raise recovery.dropped(recovery.synced_failure(failed, fatal, oom, d.rank))
+                raise recovery.dropped(recovery.endings.others_failed(ranks))
+            raise recovery.dropped(recovery.endings.synced_failure(failed, fatal, oom, d.rank))
         assert weighted is not None
         runner.piece_done()
         local = weighted.detach().float() / scale if scale else weighted.detach().float()  # this rank's mean
@@ -325,7 +325,7 @@ class Ddp(Rank):
             # Not safe to retry (the parameters may be partly updated) and the others have stepped:
             # this rank ends the step as they do and says it at the next exchange (or the closing
             # one), where every rank raises FitError together.
-            message, was_oom = recovery.optimizer_failed(exc, d.rank)
+            message, was_oom = recovery.endings.optimizer_failed(exc, d.rank)
             self.agreement.failure = Failure(message, oom=was_oom, error=None if was_oom else exc)
         runner.done(loss_sum, count)
         return True, None
@@ -343,7 +343,7 @@ class Ddp(Rank):
             stopped = self.group.bucket_error()
             if stopped is not None:  # this rank's wait for the others ended (a stop, a timeout)
                 raise stopped from None
-            raise self.recovery.buckets_failed(message, self.group.rank, exc) from None
+            raise self.recovery.endings.buckets_failed(message, self.group.rank, exc) from None
         finally:
             if tracker is not None:
                 tracker.budget = budget

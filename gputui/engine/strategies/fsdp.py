@@ -1,7 +1,7 @@
 """One rank of several under FSDP2, where every forward all-gathers and every synced backward
 reduce-scatters: no rank can replay alone, so the exchange comes first in the step (the global
 batch's items are known before any forward) and any failure ends the run; OOMs are prevented
-instead (Ddp._prevent: every rank halves before a step peak nears its capacity)."""
+instead (Rank._prevent: every rank halves before a step peak nears its capacity)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ class Fsdp(Ddp):
             self._count_share(batch)
         agreed = self.exchange(here=batch is not None, has_next=more)
         if agreed.fatal or not agreed.all_have_batch:
-            raise recovery.job_error(self.agreement.failure, agreed)
+            raise recovery.endings.job_error(self.agreement.failure, agreed)
         if not agreed.items:
-            raise recovery.no_items(everywhere=True)
+            raise recovery.endings.no_items(everywhere=True)
         total, world = state.batch_size, d.world_size
         # Every rank runs as many passes as the one that needs the most (each all-gathers): a rank
         # with fewer samples splits its share finer, and one with fewer samples than passes runs the
@@ -67,7 +67,7 @@ class Fsdp(Ddp):
         if isinstance(exc, FitError):  # said already (a lost rank in fit's own collective)
             return exc
         if is_oom(exc) or not is_transport(exc):
-            error = self.recovery.fsdp_failure(exc, phase, size, d.rank)
+            error = self.recovery.endings.fsdp_failure(exc, phase, size, d.rank)
         else:  # another rank left: this one did nothing wrong
             error = lost_ranks(exc)  # before abort(): it names this rank from the group
         abort()

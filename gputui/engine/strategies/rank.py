@@ -58,10 +58,10 @@ class Rank:
             timeout_s=group.rank_timeout,
             stop_asked=self._stop_asked,
             said=self._waiting,
-            unanswered=lambda ranks, waited, stop: recovery.unanswered(
+            unanswered=lambda ranks, waited, stop: recovery.endings.unanswered(
                 group.rank, ranks, waited, stop, group.rank_timeout
             ),
-            ended=lambda other, steps, closing: recovery.ended_apart(group.rank, other, steps, closing),
+            ended=lambda other, steps, closing: recovery.endings.ended_apart(group.rank, other, steps, closing),
             steps=lambda: state.steps,
         )
         agreement.wait = waiter.wait
@@ -125,9 +125,9 @@ class Rank:
         d = self.group
         if agreed.closing < d.world_size:  # it met another rank's step (one group for both: NCCL's side group)
             other = next((r for r in range(d.world_size) if r not in agreed.closing_ranks), 0)
-            raise self.recovery.ended_apart(d.rank, other, self.state.steps, closing=True)
+            raise self.recovery.endings.ended_apart(d.rank, other, self.state.steps, closing=True)
         if agreed.fatal:
-            raise self.recovery.job_error(self.agreement.failure, agreed, closing=True)
+            raise self.recovery.endings.job_error(self.agreement.failure, agreed, closing=True)
 
     # -- the boundary -----------------------------------------------------------------------
     def at_boundary(self, batch: Any) -> bool:
@@ -248,7 +248,7 @@ class Rank:
         agreed = self.agreement.finish()
         if agreed.closing:  # another rank's closing exchange: its run ended where this one's went on
             other = agreed.closing_ranks[0] if agreed.closing_ranks else 0
-            raise self.recovery.ended_apart(d.rank, other, state.steps, closing=False)
+            raise self.recovery.endings.ended_apart(d.rank, other, state.steps, closing=False)
         if agreed.stop is not None and state.stop_reason is None:
             state.stop_reason = self._signalled or agreed.stop
         for (

@@ -80,7 +80,7 @@ class Single:
         try:
             if len(pieces) == 1:  # most steps: the batch whole, its loss as it is (read detached: the graph goes)
                 if runner.items is not None and runner.none_counted(batch):
-                    raise self.recovery.no_items(everywhere=False)
+                    raise self.recovery.endings.no_items(everywhere=False)
                 loss = runner.forward(batch)
                 at.phase = "backward"
                 runner.backward(loss)
@@ -90,7 +90,7 @@ class Single:
             else:
                 counts, units = runner.counts(pieces, size)
                 if not units:
-                    raise self.recovery.no_items(everywhere=False)
+                    raise self.recovery.endings.no_items(everywhere=False)
                 loss_sum, _ = runner.run(pieces, counts, units, lambda n: n / units, at)
             at.phase = "optimizer"
             runner.optimizer_step()
