@@ -46,8 +46,9 @@ _HANDLERS = {
     "plan": "_plan",
     "stop": "_request_stop",
 }
-"""The method that applies each control, by name: a boundary holding its own bound methods is a cycle,
-and the run's optimizer and model (their memory on the device) outlived fit() until a collection."""
+"""The method that applies each control, by name: a boundary holding its own bound methods would be a
+cycle, keeping the run's optimizer and model (their memory on the device) alive after fit() until a
+collection."""
 
 
 class Boundary:

@@ -3,7 +3,7 @@
     RunState      the setting and counters every part reads (engine/state.py)
     Runner        a piece's forward and backward, the optimizer step, the step's end (runner.py)
     Boundary      the controls, the pause, the stop a control or a signal asks for (boundary.py)
-    Recovery      what follows an OOM; every OOM event and FitError (recovery.py)
+    Recovery      what follows an OOM; the words a run ends with (recovery.py, endings.py)
     PlanningHook  the planner, made when first needed (planhook.py)
     a strategy    one process, DDP or FSDP: how a global batch is trained, its collectives (strategies/)
 

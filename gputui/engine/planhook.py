@@ -195,7 +195,7 @@ class PlanningHook:
             picked = planner.after_oom(self.setting(oom.micro_batch), batch, shapes(batch), capacity, second)
             planner.ask("oom")  # the whole table, at the next boundaries
             return picked
-        except Exception as exc:  # a bug of ours or the model's code on fake tensors: halve as before
+        except Exception as exc:  # a bug of ours or the model's code on fake tensors: halve
             self.session.emit("error", message=f"the planner failed, halving instead: {type(exc).__name__}: {exc}")
             return None
 

@@ -1,6 +1,6 @@
 """One run as the hub sees it, whoever drives its loop.
 
-`fit` (trainer.py) and the zero-change observer (observe.py) each hold a RunSession and add only
+fit's core (core.py) and the zero-change observer (observe.py) each hold a RunSession and add only
 what is theirs: fit changes how the next step trains, the observer watches a loop it cannot
 change. Everything else lives here once: the memory probe built from the run's settings, the
 controls that need no loop (free the cache, snapshot, memory summary, top tensors, pause and

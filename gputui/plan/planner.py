@@ -45,8 +45,8 @@ RECALIBRATE = 0.01
 
 def _weakly(method: Callable[[str], None]) -> Callable[[str], None]:
     """`method`, called through a weak reference to its object: the predictions call the planner back, and
-    holding it strongly made a cycle that kept the model and the optimizer (their memory on the device)
-    alive after fit() returned, until a collection."""
+    holding it strongly would be a cycle keeping the model and the optimizer (their memory on the device)
+    alive after fit() returns, until a collection."""
     ref = weakref.WeakMethod(method)
 
     def call(reason: str) -> None:
@@ -238,7 +238,7 @@ class Planner:
     def after_oom(
         self, failed: Setting, batch: Any, shapes: Hashable, capacity: int | None, second: bool = False
     ) -> tuple[int, str] | None:
-        """The micro-batch to retry with after an OOM at `failed`, and why; None: halve as before (also
+        """The micro-batch to retry with after an OOM at `failed`, and why; None: halve (also
         where the planner does not plan by itself). `second`: the step ran out at a pick already, so
         the predictions are off by more than the margin here (on a GPU: fragmentation and segment
         rounding under a tight cap) and a pick above half would step down by that margin alone: half

@@ -60,7 +60,7 @@ class CudaProbe(PacedReadings):
     (step_reading) lose no peak between readings.
 
     Every figure of a step comes from one `memory_stats_as_nested_dict()` call: `memory_stats()`
-    (and `memory_allocated()`/`memory_reserved()`, which call it) flattens and sorts its ~150
+    (and `memory_allocated()`/`memory_reserved()`, which call it) flattens and sorts its ~120
     keys in Python each time, several times the cost (benchmarks/tool_costs.py measures both).
 
     `limit` (bytes) caps what this process may allocate, through `set_per_process_memory_fraction`:

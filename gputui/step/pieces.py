@@ -22,8 +22,7 @@ def unsynced(last: bool) -> AbstractContextManager[Any]:
 
 @dataclass
 class Progress:
-    """Where a step is, for whoever handles an error out of it: the phase, and whether the last
-    piece's (synced) backward has begun."""
+    """Where a step is, for whoever handles an error out of it: its phase (forward, backward)."""
 
     phase: str = "forward"
 

@@ -1,4 +1,4 @@
-"""A job in another process, as a Source for the app: `gputui attach`."""
+"""A job in another process, as a Source for the app: the screen of `gputui run` and `gputui attach`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Where the screen's updates come from: the hub in this process (`gputui run`) or a job's socket
-(`gputui attach`, remote.py). No textual: the view is tested on a Source without an app."""
+"""Where the screen's updates come from: a hub, read for what is new since the last poll. The screen
+(a process of its own under `gputui run`, or `gputui attach`) reads the mirror of a job's hub
+(remote.py's RemoteSource wraps a LocalSource on it); tests read a hub of their own. No textual: the
+view is tested on a Source without an app."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class Source(Protocol):
 
 
 class LocalSource:
-    """A hub of this process: the script trains in a worker thread of the app."""
+    """A hub in this process: the mirror's (remote.py), or a test's."""
 
     watch_only: str | None = None
 

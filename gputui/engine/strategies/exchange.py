@@ -219,8 +219,9 @@ class Agreement:
         every: int = 0,
         closing: bool = False,
     ) -> None:
-        """Start the step's one collective (asynchronous, on the CPU), waited for by finish() before the
-        synced backward; `items`: this rank's share of the
+        """Start the step's one collective (asynchronous, on the CPU), waited for by finish(): before the
+        synced backward, after it on a quiet step (ddp.py), before any forward under FSDP; `items`: this
+        rank's share of the
         global batch's items (samples, unless fit counts items), None: no batch here. Each rank also
         says its micro-batch (what it runs, and its setting: None for the whole batch) and its last
         step's peak and capacity, in a row of its own (declared above). `closing`: the run's last exchange,

@@ -105,7 +105,7 @@ class Apart:
                 self.done.wait(ROLL_S)
             if self.closing and self.ended is None:  # closed together: a later part's first wait must not read it
                 s.delete_key(CLOSED)
-        except Exception:  # no store to read (a group made from a file, say): the wait goes on as before
+        except Exception:  # no store to read (a group made from a file, say): the wait goes on without it
             return
 
     def _read(self, s: Any) -> None:
