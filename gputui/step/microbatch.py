@@ -1,8 +1,9 @@
 """Split a global batch along dim 0 into micro-batches, whatever container holds it.
 
 A batch is a tree of tensors in tuples, lists, dicts, dataclasses or namedtuples. Every tensor
-whose first dimension is the batch size is split; anything else (scalars, strings, a tensor of
-another length) is carried along whole into every micro-batch.
+whose first dimension is the batch size is split, and so is every list of the batch's samples (tensors
+of different lengths, a string or a record each): sliced, each sample whole. Anything else (scalars,
+a tensor of another length, a plain dict) is carried along whole into every micro-batch.
 """
 
 from __future__ import annotations
@@ -10,26 +11,70 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
+from itertools import accumulate, pairwise, repeat
 from operator import attrgetter
 from typing import Any
 
 import torch
 
 
-def _first_tensor(batch: Any) -> torch.Tensor | None:
+def _size(batch: Any, nested: bool = False) -> int | None:
+    """The batch size: dim 0 of the first tensor, or the length of the first list of samples it meets."""
     if isinstance(batch, torch.Tensor):
-        return batch if batch.dim() > 0 else None
+        return batch.shape[0] if batch.dim() > 0 else None
     # These walks run every step: a tuple's children and tensor leaves are taken here, without a call.
-    for child in batch if isinstance(batch, (tuple, list)) else _children(batch):
+    children = batch if isinstance(batch, (tuple, list)) else _children(batch)
+    for child in children:
         if isinstance(child, torch.Tensor):
-            if child.dim() > 0:
-                return child
-            continue
-        found = _first_tensor(child)
+            if child.dim() == 0:
+                continue
+            size = child.shape[0]
+            if children is not batch or len(batch) < 2:
+                return size
+            if not nested:  # fields share `size`; a list of samples differs somewhere (one read a tensor)
+                try:
+                    for other in batch:
+                        if isinstance(other, _Tensor) and other.shape[0] != size:
+                            break
+                    else:
+                        return size
+                except IndexError:  # a scalar among them: _samples reads it whole
+                    pass
+            return len(batch) if _samples(batch, nested) else size
+        found = _size(child, True)
         if found is not None:
             return found
     return None
+
+
+def _samples(seq: Sequence[Any], nested: bool) -> bool:
+    """Whether a list or tuple holds samples, not a batch's fields: tensors of one rank and dtype whose
+    first dimensions differ (variable-length sequences: what a collate_fn that does not stack gives), or,
+    inside the batch's own container, whose shapes differ (images of different sizes, as torchvision's
+    detection collate gives them). Fields share the batch's first dimension (a seq2seq batch's source and
+    target may differ after it), and a namedtuple names fields."""
+    first = seq[0] if len(seq) > 1 else None
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return False
+    rank, dtype, size = first.dim(), first.dtype, first.shape[0]
+    differ = False
+    for item in seq:
+        if not isinstance(item, torch.Tensor) or item.dim() != rank or item.dtype != dtype:
+            return False
+        differ = differ or (item.shape != first.shape if nested else item.shape[0] != size)
+    return differ and not hasattr(seq, "_fields")
+
+
+def _per_sample(seq: Sequence[Any], total: int, nested: bool) -> bool:
+    """Whether split() slices `seq` as samples: a list of samples (_samples) of the batch's size, or, inside
+    the batch's own container (which holds its fields), a list or tuple of `total` strings or of `total`
+    records of one type (a caption each, a target dict each)."""
+    if len(seq) != total or total < 2 or hasattr(seq, "_fields"):
+        return False
+    kind = type(seq[0])
+    if nested and (kind is str or (not isinstance(seq[0], torch.Tensor) and _children(seq[0]))):
+        return all(type(item) is kind for item in seq)
+    return _samples(seq, nested)
 
 
 def _children(batch: Any) -> Sequence[Any]:
@@ -43,11 +88,12 @@ def _children(batch: Any) -> Sequence[Any]:
 
 
 def batch_size(batch: Any) -> int:
-    """Length of dim 0 of the first tensor in the batch; ValueError if it holds none."""
-    tensor = _first_tensor(batch)
-    if tensor is None:
+    """Length of dim 0 of the first tensor in the batch, or of the first list of samples (_samples) it
+    holds; ValueError if it holds neither."""
+    size = _size(batch)
+    if size is None:
         raise ValueError(f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}")
-    return tensor.shape[0]
+    return size
 
 
 def shapes(batch: Any) -> Any:
@@ -64,6 +110,7 @@ def shapes(batch: Any) -> Any:
 
 
 _shape = attrgetter("shape", "dtype")
+_Tensor = torch.Tensor  # a global read, not the module's attribute: _size runs every step
 _TENSOR = repeat(torch.Tensor)  # isinstance's second argument, for each child
 
 
@@ -164,6 +211,10 @@ def split(batch: Any, size: int, total: int | None = None, smallest: int = 1) ->
             if node.dim() > 0 and node.shape[0] == total:
                 return list(node.split(cut))
             return [node] * count
+        if isinstance(node, (tuple, list)) and _per_sample(node, total, node is not batch):
+            return [node[a:b] for a, b in pairwise(accumulate(cut, initial=0))]
+        if isinstance(node, (tuple, list)) and _samples(node, node is not batch):
+            return [node] * count  # samples, though not the batch's: none cut apart
         children = _children(node)
         if not children:
             return [node] * count

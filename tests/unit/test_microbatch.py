@@ -119,3 +119,71 @@ def test_shapes_walk_into_containers_that_have_a_shape_of_their_own():
     assert shapes((small, labels)) != shapes((large, labels))
     paths = np.array(["a.jpg", "bbbb.jpg"]), np.array(["c.jpg", "d.jpg"])
     assert shapes((labels, paths[0])) == shapes((labels, paths[1]))
+
+
+SEQS = [torch.arange(6), torch.arange(6, 9), torch.arange(9, 15)]  # what pack_sequence takes: one tensor a sample
+
+
+def test_a_list_of_samples_is_the_batch_and_each_sample_stays_whole():
+    """A collate_fn that does not stack (variable-length sequences, torchvision's detection batches) gives
+    lists with a tensor, a record or a string a sample: the batch size is the list's length, and a
+    micro-batch takes whole samples (cutting every tensor as long as the first one cut samples apart)."""
+    targets = [{"label": torch.tensor(i)} for i in range(3)]
+    batch = (SEQS, targets, ["a", "b", "c"])
+    assert batch_size(batch) == 3 and batch_size(SEQS) == 3
+    parts = split(batch, 2)
+    assert [[s.tolist() for s in p[0]] for p in parts] == [[SEQS[0].tolist(), SEQS[1].tolist()], [SEQS[2].tolist()]]
+    assert [[t["label"].item() for t in p[1]] for p in parts] == [[0, 1], [2]] and [p[2] for p in parts] == [
+        ["a", "b"],
+        ["c"],
+    ]
+    images = tuple(torch.ones(3, 20 + k, 24) for k in range(4))  # one channel count, sizes that differ
+    parts = split((images, tuple({"label": k} for k in range(4))), 2)
+    assert batch_size((images, ())) == 4 and [len(p[0]) for p in parts] == [2, 2]
+    assert all(i.shape[0] == 3 for p in parts for i in p[0])  # no image cut along its channels
+
+
+def test_fields_stay_fields_and_samples_of_another_length_are_carried_whole():
+    src, tgt = torch.ones(4, 5, dtype=torch.long), torch.ones(4, 7, dtype=torch.long)  # seq2seq: fields
+    assert batch_size((src, tgt)) == 4 and [p[1].shape for p in split((src, tgt), 2)] == [(2, 7), (2, 7)]
+    batch = {"x": torch.ones(4, 2), "lengths": SEQS}  # three samples in a batch of four: no sample is cut
+    assert all(p["lengths"] is SEQS for p in split(batch, 2))
+
+
+class _PackedGru(torch.nn.Module):
+    """A GRU over variable-length sequences, as a speech or text model takes them: pack_sequence of a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gru, self.head = torch.nn.Embedding(16, 4), torch.nn.GRU(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, seqs):
+        packed = torch.nn.utils.rnn.pack_sequence([self.embed(s) for s in seqs], enforce_sorted=False)
+        return self.head(self.gru(packed)[1][0])
+
+
+def _packed_step(model, batch):
+    seqs, targets = batch
+    return torch.nn.functional.cross_entropy(model(seqs), torch.stack([t["label"] for t in targets]))
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_fit_in_micro_batches_of_whole_samples_gives_the_whole_batchs_gradient(micro_batch):
+    import gputui
+
+    batch = ([s % 16 for s in SEQS], [{"label": torch.tensor(i % 2)} for i in range(3)])
+    torch.manual_seed(0)
+    model = _PackedGru()
+    _packed_step(model, batch).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    grads = []
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            grads.extend(p.grad.clone() for p in model.parameters())
+
+    result = gputui.fit(model, [batch], _packed_step, Capture(model.parameters(), lr=0.0), micro_batch=micro_batch)
+    assert result.samples == 3 and result.micro_batch == micro_batch
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
