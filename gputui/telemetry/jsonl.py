@@ -1,4 +1,5 @@
-"""The metrics file: one JSON object a line (start, step, event, end), in the order they happened.
+"""The metrics file: one JSON object a line (start, step, event, end), in the order they happened; a
+run appends its own, so a file given again keeps the runs before it.
 
 A step's line is written by a thread of the file's own, at most FLUSH_S after the hub hands the step
 over (hub.FLUSH_S after it, or at the next step, event or end where no server thread flushes steps
@@ -43,10 +44,10 @@ class MetricsFile:
     and training goes on: a failure of the writing thread is raised at the sink's next call, where
     the hub says it once and drops the sink (or said by close(), if no call comes)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = for_rank(os.fspath(path))
-        try:
-            self._file = open(self.path, "ab" if append else "wb", buffering=0)
+        try:  # appended: a path given again (a resumed run, a rerun) keeps the runs before, each from its start
+            self._file = open(self.path, "ab", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the metrics file {self.path}: {exc.strerror}") from None
         self._steps: deque[StepRecord] = deque()  # published, not written yet (appended at the hub's flushes)

@@ -69,6 +69,19 @@ def test_metrics_file_schema(tmp_path, monkeypatch):
     assert lines[-1]["steps"] == 4 and lines[-1]["error"] is None
 
 
+def test_a_metrics_file_given_again_keeps_the_run_before_it(tmp_path):
+    """A resumed run (or a rerun) pointed at the same file adds its own lines after the first run's: its
+    history is not lost."""
+    path = tmp_path / "m.jsonl"
+    for steps in (3, 2):
+        model = ConvNet()
+        gputui.fit(model, conv_batches(steps, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.1), metrics=path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [x["kind"] for x in lines if x["kind"] != "event"]
+    assert kinds == ["start", "step", "step", "step", "end", "start", "step", "step", "end"]
+    assert [x["step"] for x in lines if x["kind"] == "step"] == [1, 2, 3, 4, 5]  # one process: one run, counted on
+
+
 def test_nan_loss_is_null_in_json_and_reported_once(tmp_path):
     path = tmp_path / "m.jsonl"
     model = ConvNet()
