@@ -80,6 +80,11 @@ def fit(
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
+    if epochs is not None and epochs > 1 and iter(data) is data:  # said now, not after the first epoch
+        raise FitError(
+            f"epochs={epochs}, but data is an iterator ({type(data).__name__}): it can be iterated only once; "
+            "pass a DataLoader or a list, or set epochs=1"
+        )
     core = Core(model, step, optimizer, options, data)
     epochs = epochs if epochs is not None else (1 if max_steps is None else None)
     per_epoch = length(data)

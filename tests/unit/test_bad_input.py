@@ -34,8 +34,17 @@ def test_empty_data_and_one_shot_generators():
     model = ConvNet()
     with pytest.raises(gputui.FitError, match="data yielded no batches: nothing to train on"):
         gputui.fit(model, [], conv_step, sgd(model))
-    with pytest.raises(gputui.FitError, match="in epoch 2: it can be iterated only once"):
-        gputui.fit(model, (b for b in conv_batches(2, 4)), conv_step, sgd(model), epochs=2)
+    calls = []
+
+    def counted(model, batch):
+        calls.append(1)
+        return conv_step(model, batch)
+
+    with pytest.raises(gputui.FitError, match=r"epochs=2, but data is an iterator \(generator\): it can be iterated"):
+        gputui.fit(model, (b for b in conv_batches(2, 4)), counted, sgd(model), epochs=2)
+    assert not calls  # said before an epoch is trained (and the script's save after fit lost)
+    with pytest.raises(gputui.FitError, match="in epoch 2: it can be iterated only once"):  # max_steps past its end
+        gputui.fit(model, (b for b in conv_batches(2, 4)), conv_step, sgd(model), max_steps=3)
 
 
 @pytest.mark.parametrize(
