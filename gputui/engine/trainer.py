@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -162,6 +164,7 @@ class Trainer:
             run = contextlib.ExitStack()
             run.enter_context(self._core.running(total_steps=self._steps))
             self._run = run
+            self._core.hub.on_finish(partial(_end_unclosed, weakref.ref(self)))  # weak: a dropped trainer ended
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, batch: Any) -> StepResult:
@@ -259,3 +262,14 @@ def _check_state(saved: dict[str, Any]) -> None:
     for field in ("checkpointing", "auto_recover"):
         if not isinstance(saved[field], bool):
             raise wrong(field, "True or False")
+
+
+def _end_unclosed(ref: weakref.ref[Trainer]) -> None:
+    """The script ended with this trainer open (no `with`, no close()): its part ends now, before the run's
+    end record (its summary, the metrics file's end line). No closing exchange: an error may have ended the
+    script, not its loop."""
+    trainer = ref()
+    run = trainer._run if trainer is not None else None
+    if trainer is not None and run is not None:
+        trainer._run, trainer._closed = None, True
+        run.__exit__(None, None, None)

@@ -246,6 +246,27 @@ def test_an_error_in_the_block_ends_the_run_with_an_error_and_propagates(hub):
     assert hub.summary.error == "RuntimeError: evaluation broke" and hub.summary.steps == 1
 
 
+def test_a_trainer_never_closed_ends_its_part_when_the_script_does(hub):
+    """No `with`, no close(): the script's end still ends the trainer's part before the run's end record
+    (the summary, the metrics file's last lines), and a trainer the script dropped is not kept alive."""
+    model = TokenModel()
+    dropped = gputui.Trainer(model, sgd(model), padded_step)
+    dropped.step(padded_batches(1, 4)[0])
+    dropped.close()
+    gone = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert gone() is None
+    trainer = gputui.Trainer(model, sgd(model), padded_step)
+    for batch in padded_batches(2, 4):
+        trainer.step(batch)
+    assert [e.name for e in hub.events()].count("part_ended") == 1  # the closed one's
+    hub.finish()
+    assert [e.name for e in hub.events()].count("part_ended") == 2 and hub.summary.steps == 3
+    with pytest.raises(gputui.FitError, match="after the trainer was closed"):
+        trainer.step(padded_batches(1, 4)[0])
+
+
 def test_a_step_and_optimizer_swapped_are_said_so():
     """fit takes (model, data, step, optimizer); the Trainer (model, optimizer, step): a swap is one line."""
     model = TokenModel()
