@@ -112,3 +112,17 @@ def notice(line: str) -> None:
     # OSError, ValueError: closed; RuntimeError: reentrant; AttributeError: None (a process with no stderr)
     with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
         sys.stderr.write(line)
+
+
+def in_forked_child(pid: int, signum: int) -> bool:
+    """Whether a handler installed by process `pid` runs in a child forked from it (a DataLoader worker),
+    which a Ctrl-C to the process group or a terminate() reaches too: there the signal does what it would
+    have without gputui (SIGINT raises KeyboardInterrupt, which a worker takes as its parent's stop; SIGTERM
+    ends the child), and the handler does nothing more."""
+    if os.getpid() == pid:
+        return False
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True

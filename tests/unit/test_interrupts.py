@@ -83,3 +83,27 @@ def test_a_notice_from_a_handler_that_interrupted_a_write_to_stderr_does_not_rai
     monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=True))
     sys.stderr.write("step 7/100 | loss 2.31\n")  # the progress line the signal landed in
     assert raw.handled and raw.written.decode() == "step 7/100 | loss 2.31\n"  # written whole; the notice lost
+
+
+def test_a_forked_child_takes_a_signal_as_it_would_without_gputui():
+    """A DataLoader worker forked from a training process inherits fit's handlers, and a Ctrl-C to the
+    process group or the loader's terminate() reaches it: there SIGINT raises KeyboardInterrupt (the worker
+    loop's cue that its parent stops) and SIGTERM ends it, with no "finishing the current step" line."""
+    import os
+    import signal
+
+    parent = os.getpid()
+    assert not interrupts.in_forked_child(parent, signal.SIGINT)  # the process that installed it: its own
+    child = os.fork()
+    if child == 0:
+        try:
+            interrupts.in_forked_child(parent, signal.SIGINT)
+        except KeyboardInterrupt:
+            os._exit(7)
+        os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 7
+    child = os.fork()
+    if child == 0:
+        interrupts.in_forked_child(parent, signal.SIGTERM)
+        os._exit(1)  # never: the default action ended it
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == -signal.SIGTERM
