@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..telemetry.run import RunSummary
-from ..telemetry.sample import Event, finite
+from ..telemetry.sample import Event
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class FitResult:
             epochs=self.epochs,
             samples=self.samples,
             micro_batch=self.micro_batch,
-            loss=finite(self.loss),
+            loss=self.loss,  # NaN kept for the summary line; the record's JSON has it null
             stopped=self.stopped,
             amp=self.amp,
             checkpointing=self.checkpointing,

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from .sample import finite
+
 NUMBER = (int, float)
 
 
@@ -176,7 +178,7 @@ class RunSummary:
         return "failed" if self.error else "stopped" if self.stopped else "finished"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "loss": finite(self.loss)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunSummary:

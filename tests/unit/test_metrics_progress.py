@@ -10,7 +10,7 @@ from process import python, wait_until
 import gputui
 from gputui.telemetry.describe import describe
 from gputui.telemetry.jsonl import MetricsFile
-from gputui.telemetry.progress import ProgressLine, closing_lines
+from gputui.telemetry.progress import ProgressLine, closing_lines, summary_line
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.units import format_bytes
 
@@ -91,8 +91,9 @@ def test_nan_loss_is_null_in_json_and_reported_once(tmp_path):
 
     result = gputui.fit(model, conv_batches(3, 2), step, torch.optim.SGD(model.parameters(), lr=0.1), metrics=path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]  # strict JSON: no NaN tokens
-    assert all(x["loss"] is None for x in lines if x["kind"] == "step")
+    assert all(x["loss"] is None for x in lines if x["kind"] in ("step", "end"))
     assert [e.name for e in result.events] == ["loss_not_finite"]
+    assert "last loss nan;" in summary_line(result.summary())  # as the progress lines said it, not "n/a"
 
 
 def run_with_progress(stream, hub):
