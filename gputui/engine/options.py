@@ -30,6 +30,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device='mps' was asked for, but MPS is not available here")
+    if device.type not in ("cuda", "mps", "cpu"):
+        raise ValueError(f"device='{device}' is not one gputui trains on: cuda, mps or cpu")
     return device
 
 

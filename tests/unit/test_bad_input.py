@@ -55,6 +55,7 @@ def test_empty_data_and_one_shot_generators():
         (dict(micro_batch=0), ValueError, "micro_batch must be a positive int"),
         (dict(epochs=1.5), ValueError, "epochs must be a positive int"),
         (dict(device="cuda"), ValueError, "CUDA is not available"),
+        (dict(device="meta"), ValueError, "device='meta' is not one gputui trains on: cuda, mps or cpu"),
         (dict(device="tpu"), RuntimeError, "tpu"),
         (dict(auto_recover=0), TypeError, "auto_recover must be True or False, got 0"),
         (dict(checkpointing=1), TypeError, "checkpointing must be True or False or None, got 1"),
