@@ -7,7 +7,7 @@ import os
 import secrets
 import socket
 import stat
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -21,15 +21,26 @@ path knows whose each one is, and removes those of processes that died mid-save 
 killer) instead of leaving a checkpoint-sized file behind each time."""
 
 
-def save(obj: Any, path: str | os.PathLike[str]) -> None:
+def save(obj: Any, path: str | os.PathLike[str] | IO[bytes]) -> None:
     """torch.save into a temporary file beside `path`, fsync it, then rename it over `path`.
 
     A crash or a full disk mid-save leaves the previous file intact; a Ctrl-C, a SIGTERM or a
     forced quit of the TUI during the save takes effect once the new file is in place
     (interrupts.py). A symlink is written through (its target replaced, the link kept); the file
-    keeps the mode of the one it replaces (a new one gets `open()`'s: 0666 & ~umask).
+    keeps the mode of the one it replaces (a new one gets `open()`'s: 0666 & ~umask). An error names
+    `path`, not the temporary file. A file object (io.BytesIO) is written as torch.save writes it.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        torch.save(obj, path)
+        return
     path = os.fspath(path)
+    try:
+        _save(obj, path)
+    except OSError as exc:  # the temporary file's name in it would mislead: the user gave `path`
+        raise type(exc)(exc.errno, exc.strerror, path) from None
+
+
+def _save(obj: Any, path: str) -> None:
     target = os.path.realpath(path)  # a link's target: renaming over the link would leave it stale
     folder, name = os.path.split(target)
     _remove_orphans(folder, name)  # first: a dead save's space may be what this one needs

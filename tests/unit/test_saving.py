@@ -1,3 +1,4 @@
+import io
 import os
 import sys
 
@@ -81,3 +82,15 @@ def test_a_save_removes_the_temporary_files_of_saves_killed_midway_and_no_other(
     left = {p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.pt.")}
     assert len(left) == 1 and f".{alive.pid}." in left.pop(), "the dead save's file went, the live one's stays"
     assert torch.equal(torch.load(path)["w"], torch.zeros(1))
+
+
+def test_a_failed_save_names_the_path_given_and_a_file_object_is_written_as_torch_save_writes_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"No such file or directory: '{tmp_path}/missing/m.pt'$"):
+        gputui.save({"w": torch.ones(2)}, tmp_path / "missing" / "m.pt")
+    with pytest.raises(IsADirectoryError, match=f"Is a directory: '{tmp_path}'$"):
+        gputui.save({"w": torch.ones(2)}, tmp_path)
+    assert os.listdir(tmp_path) == []  # no temporary file left behind
+    buffer = io.BytesIO()
+    gputui.save({"w": torch.ones(2)}, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)["w"], torch.ones(2))
