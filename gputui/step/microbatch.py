@@ -92,7 +92,10 @@ def batch_size(batch: Any) -> int:
     holds; ValueError if it holds neither."""
     size = _size(batch)
     if size is None:
-        raise ValueError(f"a batch must hold at least one tensor with a batch dimension; got {type(batch).__name__}")
+        raise ValueError(
+            f"a batch must hold at least one tensor with a batch dimension, in a tuple, list, dict, dataclass or "
+            f"namedtuple (what gputui can split and move); got {type(batch).__name__}"
+        )
     return size
 
 

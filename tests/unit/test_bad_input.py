@@ -103,6 +103,13 @@ def test_wrong_types():
     with pytest.raises(ValueError, match="a batch must hold at least one tensor"):
         gputui.fit(model, [{"text": "no tensors"}], conv_step, sgd(model))
 
+    class Custom:  # a class of the script's own, tensors inside: what gputui walks is said
+        def __init__(self):
+            self.x = torch.ones(2, 3, 8, 8)
+
+    with pytest.raises(ValueError, match="in a tuple, list, dict, dataclass or namedtuple .*; got Custom"):
+        gputui.fit(model, [Custom()], conv_step, sgd(model))
+
 
 def test_a_rejected_call_leaves_no_hook_behind():
     model = ConvNet()
