@@ -277,7 +277,7 @@ class GputuiApp(App[int]):
         except RuntimeError as exc:  # the job refused or cannot be reached
             self.notify(str(exc), severity="error", timeout=6)
             return
-        self.view.requested(request, text or action.replace("_", " "))
+        self.view.requested(request, text or action.replace("_", " "), action, value)
         self.pull()
 
     def on_request_control(self, message: RequestControl) -> None:
@@ -298,18 +298,19 @@ class GputuiApp(App[int]):
         self.send("set_amp", mode, text=f"AMP {mode}")
 
     def action_toggle_checkpointing(self) -> None:
-        on = not self.view.checkpointing
+        on = not self.view.once_applied(("set_checkpointing",), self.view.checkpointing)
         self.send("set_checkpointing", on, text=f"checkpointing {'on' if on else 'off'}")
 
     def action_free_cache(self) -> None:
         self.send("free_cache", text="free cache")
 
     def action_toggle_auto_recover(self) -> None:
-        on = not self.view.auto_recover
+        on = not self.view.once_applied(("set_auto_recover",), self.view.auto_recover)
         self.send("set_auto_recover", on, text=f"auto-recover {'on' if on else 'off'}")
 
     def action_toggle_pause(self) -> None:
-        self.send("resume" if self.view.paused else "pause")
+        paused = self.view.once_applied(("pause", "resume"), "pause" if self.view.paused else "resume") == "pause"
+        self.send("resume" if paused else "pause")
 
     def action_snapshot(self) -> None:
         self.send("snapshot", text="memory snapshot")

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
 from ..telemetry.describe import describe, number, waiting_text
@@ -63,6 +64,7 @@ class RunView:
     series: RunSeries = field(default_factory=RunSeries)
     timeline: deque[Entry] = field(default_factory=lambda: deque(maxlen=500))
     pending: dict[int, str] = field(default_factory=dict)
+    asked: dict[int, tuple[str, Any]] = field(default_factory=dict)  # a pending request's (action, value)
     paused: bool = False
     auto_recover: bool = True
     stopping: bool = False
@@ -130,6 +132,7 @@ class RunView:
         self.series.clear()
         self.evals.clear()
         self.pending.clear()
+        self.asked.clear()
         self.paused = self.stopping = False
         self.started, self.ended = self.clock(), None
 
@@ -145,6 +148,7 @@ class RunView:
         request = e.get("request_id")
         if request is not None:
             self.pending.pop(request, None)
+            self.asked.pop(request, None)
         if e.name == "paused":
             self.paused = True
         elif e.name == "resumed":
@@ -196,11 +200,12 @@ class RunView:
     def step(self) -> int:
         return self.latest.step if self.latest else 0
 
-    def requested(self, request_id: int | None, text: str) -> None:
+    def requested(self, request_id: int | None, text: str, action: str = "", value: Any = None) -> None:
         """The user asked for something: say so at once, before the loop applies it."""
         if request_id is None:
             return
         self.pending[request_id] = text
+        self.asked[request_id] = (action, value)
         self._log(
             Entry(time.time(), self.step, f"→ requested: {text} · applies at the next step boundary", "requested")
         )
@@ -346,6 +351,17 @@ class RunView:
             return "training has ended"
         return self.refused.get(control)
 
+    def once_applied(self, actions: tuple[str, ...], now: Any) -> Any:
+        """What a setting will be once the requests waiting for the next step are applied: the newest
+        pending request's of `actions` (its value, or its action where the action is the value: pause,
+        resume), else `now`. A key pressed again before the loop applied the first counts on from it."""
+        for request in reversed(self.pending):
+            action, value = self.asked.get(request, ("", None))
+            if action in actions:
+                return action if value is None else value
+        return now
+
     def next_amp(self) -> str:
-        current = self.amp or "off"  # a mode this gputui does not know (a newer job's) steps to the first
+        # a mode this gputui does not know (a newer job's) steps to the first
+        current = self.once_applied(("set_amp",), self.amp) or "off"
         return AMP_MODES[(AMP_MODES.index(current) + 1) % len(AMP_MODES) if current in AMP_MODES else 0]

@@ -88,6 +88,37 @@ async def test_remedy_keys(make_app, hub, monkeypatch, key, event, shown):
         assert "applied after step" in timeline
 
 
+async def test_a_key_pressed_again_before_the_loop_answers_counts_on_from_the_first(make_app, hub, monkeypatch):
+    """a a is off -> bf16 -> fp16 and c c is on then off, though the screen still shows the setting before
+    them (the loop applies requests at the next step boundary): each press counts from the one before it,
+    not from what the screen showed. Held here: none is applied, so every press comes before an answer."""
+    from gputui.telemetry.controls import Control
+
+    def held(action, value=None, **kwargs):
+        sent.append((action, value))
+        return Control(action, value, "tui")
+
+    app = make_app()
+    sent = []
+    async with app.run_test(size=(120, 30)) as pilot:
+        await started(pilot, app, hub)
+        with monkeypatch.context() as patched:  # undone before the fixture's stop, which must reach the loop
+            patched.setattr(hub.controls, "request", held)
+            for key in "aaaccoopp":
+                await pilot.press(key)
+    assert sent == [
+        ("set_amp", "bf16"),
+        ("set_amp", "fp16"),
+        ("set_amp", "off"),
+        ("set_checkpointing", True),
+        ("set_checkpointing", False),
+        ("set_auto_recover", False),
+        ("set_auto_recover", True),
+        ("pause", None),
+        ("resume", None),
+    ]
+
+
 async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
     app = make_app()
     async with app.run_test(size=(100, 30)) as pilot:
