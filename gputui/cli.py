@@ -33,6 +33,17 @@ def _rate(text: str) -> float:
     return hz
 
 
+def _wait(text: str) -> float:
+    """`ctl --timeout`: seconds to wait for the job's answer, within what a socket's timeout takes (a day)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds <= 86400:
+        raise argparse.ArgumentTypeError(f"--timeout takes seconds above 0, up to 86400 (a day), not {text!r}")
+    return seconds
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gputui",
@@ -108,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("target", metavar="PID|SOCKET", help="the job")
     ctl.add_argument("action", metavar="ACTION", nargs="+", help="e.g. halve-batch, amp bf16, checkpointing on")
     ctl.add_argument(
-        "--timeout", metavar="S", type=float, default=60.0, help="seconds to wait for the job to apply it (default 60)"
+        "--timeout", metavar="S", type=_wait, default=60.0, help="seconds to wait for the job to apply it (default 60)"
     )
 
     watch = commands.add_parser(

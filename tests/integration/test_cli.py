@@ -76,6 +76,14 @@ def test_a_script_that_raises_gets_its_traceback_without_ours(tmp_path):
         (["run", "--headless", "missing.py"], 2, "gputui: error: no such script: missing.py"),
         (["run", "--headless", "--memory-budget", "lots", "x.py"], 2, "not a size: 'lots'"),
         (["run", "--headless", "."], 2, "gputui: error: . is a directory, not a Python script"),
+        *(  # refused before anything is sent: a control sent with a wait that cannot be waited is applied unsaid
+            (
+                ["ctl", "1", "pause", "--timeout", t],
+                2,
+                f"--timeout takes seconds above 0, up to 86400 (a day), not '{t}'",
+            )
+            for t in ("1e400", "-1", "0", "nan")
+        ),
     ],
 )
 def test_bad_command_lines(tmp_path, args, code, message):
