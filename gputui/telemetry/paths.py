@@ -77,10 +77,10 @@ def check_socket(path: str) -> None:
     """UnsafeDirectory unless `path` is a socket of ours in a private folder of ours (an explicit
     `gputui attach PATH`: the same trust as the folder the jobs list comes from)."""
     real = os.path.realpath(path)
-    check_private(os.path.dirname(real))
-    info = os.stat(real)
+    info = os.stat(real)  # first: a name that is no socket (a typo, the script's name) is said as such
     if not stat.S_ISSOCK(info.st_mode):
-        raise UnsafeDirectory(f"{path} is not a socket")
+        raise UnsafeDirectory(f"{path} is not a socket: name a job by its PID or socket (gputui jobs lists them)")
+    check_private(os.path.dirname(real))
     if info.st_uid != os.getuid():
         raise UnsafeDirectory(f"{path} belongs to another user (uid {info.st_uid}): not trusted")
 

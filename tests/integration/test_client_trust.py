@@ -175,6 +175,10 @@ def test_an_explicit_socket_path_is_checked_too(env, fake, tmp_path):
     os.chmod(open_folder, 0o755)
     server = fake(open_folder / "123.sock")
     assert_one_line_error(gputui("attach", server.path, "--json", env=env), "open to other users")
+    script = open_folder / "train.py"  # a typo'd job name in an ordinary folder: said as such, not its mode
+    script.write_text("")
+    assert_one_line_error(gputui("attach", str(script), "--json", env=env), "train.py is not a socket")
+    assert_one_line_error(gputui("ctl", str(open_folder / "abc"), "pause", env=env), "no such job or socket")
     if os.getuid() == 0:
         private = tmp_path / "private"
         private.mkdir(mode=0o700)
