@@ -316,10 +316,9 @@ def _ended(job: Job, summary: dict[str, Any] | None) -> str:
 def _acked(conn: Connection, ident: int) -> dict[str, Any]:
     """The job's ack of request `ident` (read past live records); JobError if refused or not in ACK_WAIT s."""
     deadline = time.monotonic() + ACK_WAIT
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
+    while deadline > time.monotonic():
         try:
-            record = conn.read()
+            record = conn.read(deadline)
         except TimeoutError:
             break
         if record is None:

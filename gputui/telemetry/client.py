@@ -50,14 +50,13 @@ class Connection:
         self.sock = sock or socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._timeout = timeout
         self._ids = itertools.count(1)
+        self._control = control  # asked for in the hello, sent once the job has said who it is (live())
+        self._buffer = bytearray()  # received, not yet a whole record
         try:
             if sock is None:
                 self._connect(CONNECT_WAIT if timeout is None else timeout)
             check_peer(self.sock)
             self.sock.settimeout(timeout)
-            self._file = self.sock.makefile("rb")
-            if control:
-                self.send({"kind": "hello", "control": True})
         except BaseException:
             self.sock.close()
             raise
@@ -78,16 +77,31 @@ class Connection:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.1)
 
-    def read(self) -> dict[str, Any] | None:
-        """The next record (its fields checked: ProtocolError if not), or None at the end of the stream."""
-        line = self._file.readline(MAX_SERVER_LINE + 1)
-        if not line:
-            return None
-        if not line.endswith(b"\n"):
-            if len(line) > MAX_SERVER_LINE:
+    def read(self, deadline: float | None = None) -> dict[str, Any] | None:
+        """The next record (its fields checked: ProtocolError if not), or None at the end of the stream.
+        TimeoutError past `deadline` (time.monotonic()), however the job trickles its bytes, or when the
+        socket's timeout passes with nothing received."""
+        while (end := self._buffer.find(b"\n")) < 0:
+            if len(self._buffer) > MAX_SERVER_LINE:
                 raise ProtocolError("a record longer than the limit: not a gputui job?")
-            return None  # cut off mid-line: the job went away
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("timed out")
+                self.sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None  # the end of the stream, or cut off mid-line: the job went away
+            self._buffer += chunk
+        line = bytes(self._buffer[: end + 1])
+        del self._buffer[: end + 1]
         return checked(parse_server(line))
+
+    def live(self) -> None:
+        """The job has said who it is (its `live` record): now the hello asks for control, if wanted. Sent
+        first, it met a job that refuses the connection (full) unread, and the refusal became a reset."""
+        if self._control:
+            self.send({"kind": "hello", "control": True})
 
     def send(self, record: dict[str, Any]) -> None:
         self.sock.sendall(encode(record))
@@ -103,32 +117,25 @@ class Connection:
         TimeoutError if that takes over `timeout` s (a job that trickles records counts too)."""
         welcome, deadline = Welcome(), time.monotonic() + timeout
         for _ in range(MAX_WELCOME):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self.sock.settimeout(left if self._timeout is None else min(left, self._timeout))
             try:
-                record = self.read()
+                record = self.read(deadline)
             except TimeoutError:
                 break
             if record is None:
                 raise ConnectionError("the job closed the connection before saying who it is")
+            if record["kind"] == "error" and "id" not in record:  # refused before a welcome: the job says why
+                raise ConnectionError(f"the job refused the connection: {' '.join(str(record['reason']).split())}")
             if record["kind"] == "live":
                 self.sock.settimeout(self._timeout)
+                self.live()
                 return welcome
             welcome.add(record)
         else:
             raise ProtocolError(f"over {MAX_WELCOME} records before the live ones: not a gputui job?")
         raise TimeoutError(f"the job did not say who it is within {timeout:g} s")
 
-    def settimeout(self, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
-
     def close(self) -> None:
-        try:
-            self._file.close()
-        finally:
-            self.sock.close()
+        self.sock.close()
 
     def __enter__(self) -> Connection:
         return self
@@ -253,6 +260,8 @@ class Mirror:
             status = "disconnected: reconnecting…"
             try:
                 self._receive(conn)
+            except ConnectionRefusedError as exc:
+                status = f"refused: {exc}: reconnecting…"
             except OSError:
                 pass
             except VersionMismatch as exc:  # the same on every connection: said, not retried
@@ -299,6 +308,7 @@ class Mirror:
                 self.hub, self.history = hub, history
                 self.generation += 1
                 self.status = None
+                conn.live()
             elif kind == "start":
                 hub.start(RunInfo.from_json(record["info"]))
                 hub.runs = int(record.get("runs") or hub.runs)
@@ -317,6 +327,8 @@ class Mirror:
                 hub.publish_gpus(GpuReading.from_json(record))
             elif kind == "output":
                 self._replay_output(hub, record)
+            elif kind == "error" and "id" not in record:  # refused (the job serves its most clients already)
+                raise ConnectionRefusedError(" ".join(str(record["reason"]).split()))
             elif kind in ("ack", "error") and "id" in record:
                 with self._lock:
                     waiting = self._acks.pop(record["id"], None)
@@ -350,10 +362,9 @@ def wait_for_answer(conn: Connection, request_id: int, timeout: float) -> dict[s
     waits for the next), or `{"kind": "closed"}` (the job closed the connection without one); None after
     `timeout` s."""
     deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
+    while deadline > time.monotonic():
         try:
-            record = conn.read()
+            record = conn.read(deadline)
         except TimeoutError:
             return None
         if record is None:

@@ -42,8 +42,7 @@ def output_records(conn, until_line=None, until_current=None, timeout=10.0):
     """Output records as they come, until one carries `until_line` or `until_current`."""
     records, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        conn.settimeout(max(0.01, deadline - time.monotonic()))
-        record = conn.read()
+        record = conn.read(deadline)
         assert record is not None, "the job closed the connection"
         if record["kind"] != "output":
             continue
@@ -80,9 +79,8 @@ def test_the_welcome_carries_the_recent_lines_and_where_they_stand(served):
         hub.output.write(f"line {i}\n")
     hub.output.write("\rloading 3/7")
     with Connection(server.path) as conn:
-        conn.settimeout(5)
-        records = []
-        while (record := conn.read())["kind"] != "live":
+        records, deadline = [], time.monotonic() + 5
+        while (record := conn.read(deadline))["kind"] != "live":
             records.append(record)
     [output] = [r for r in records if r["kind"] == "output"]
     assert output["lines"] == [f"line {i}" for i in range(500 - RECENT_OUTPUT, 500)]

@@ -334,6 +334,38 @@ def test_one_client_too_many_is_told_and_closed(served, monkeypatch):
         with Connection(server.path) as c:
             assert c.read() == {"v": 3, "kind": "error", "reason": "the job serves 2 clients already"}
             assert c.read() is None
+        for _ in range(20):  # a control client (gputui ctl, attach --control) is told why, not reset: its
+            with Connection(server.path, control=True) as c:  # hello waits for the welcome, which never comes
+                with pytest.raises(ConnectionError, match="the job refused the connection: the job serves 2 clients"):
+                    c.welcome()
+
+
+def test_a_job_that_trickles_its_welcome_is_given_up_on_at_the_deadline(runtime_dir):
+    """A byte every 0.2 s, never a newline: each recv is within the socket's timeout, and the welcome's
+    deadline still holds (a job that never says who it is must not hang ctl or attach --json)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(runtime_dir / "slow.sock")
+    listener.bind(path)
+    listener.listen(1)
+    done = threading.Event()
+
+    def drip():
+        conn, _ = listener.accept()
+        while not done.is_set():
+            conn.send(b"x")
+            done.wait(0.2)
+        conn.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        with Connection(path, timeout=5.0) as conn:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="did not say who it is within 1 s"):
+                conn.welcome(timeout=1.0)
+            assert time.monotonic() - start < 3
+    finally:
+        done.set()
+        listener.close()
 
 
 def test_a_mirror_shows_a_malformed_record_instead_of_replaying_it(runtime_dir):
