@@ -209,3 +209,16 @@ class Boundary:
                 signal.signal(sig, prev)
 
         return restore
+
+
+def stop_of(exc: BaseException) -> str | None:
+    """The stop an exception out of a step is (None: a failure): a second SIGTERM's SystemExit(143)
+    (install_signals), a SystemExit(0) the script raised to end; the process ends with either, so the stop
+    carried to a next part (continuity.py) stops nothing. A KeyboardInterrupt stays an error: a notebook's
+    interrupt is caught, and the next fit() must train."""
+    if isinstance(exc, SystemExit):
+        if exc.code in (0, None):
+            return "exited"
+        if exc.code == 128 + signal.SIGTERM:
+            return "terminated"
+    return None

@@ -30,6 +30,31 @@ def test_bad_step_output(step, message, hub):
     assert hub.summary.error and hub.summary.steps == 0
 
 
+def test_a_script_that_exits_from_its_step_stopped_and_a_keyboard_interrupt_failed(hub):
+    """sys.exit(0) inside step() ends the run as stopped, not failed (the summary said "failed" with exit 0);
+    a KeyboardInterrupt out of a step stays the run's error, so a notebook's next fit() still trains."""
+    model = ConvNet()
+
+    def ending(when, exc):
+        def step(model, batch):
+            step.n += 1
+            if step.n == when:
+                raise exc
+            return conv_step(model, batch)
+
+        step.n = 0
+        return step
+
+    with pytest.raises(KeyboardInterrupt):
+        gputui.fit(model, conv_batches(4, 4), ending(2, KeyboardInterrupt()), sgd(model))
+    after = gputui.fit(model, conv_batches(2, 4), conv_step, sgd(model))
+    assert after.steps == 2 and after.stopped is None  # it trained: no stop held from the interrupt
+    with pytest.raises(SystemExit):
+        gputui.fit(model, conv_batches(4, 4), ending(3, SystemExit(0)), sgd(model))
+    hub.finish()
+    assert hub.summary.stopped == "exited" and hub.summary.error is None
+
+
 def test_empty_data_and_one_shot_generators():
     model = ConvNet()
     with pytest.raises(gputui.FitError, match="data yielded no batches: nothing to train on"):
