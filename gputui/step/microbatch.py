@@ -29,9 +29,11 @@ def _size(batch: Any, nested: bool = False) -> int | None:
             if child.dim() == 0:
                 continue
             size = child.shape[0]
-            if children is not batch or len(batch) < 2:
+            # The batch's own list of two is (inputs, labels), every step: its fields, read as before. A
+            # list of samples (longer, or nested) differs somewhere: one read a tensor.
+            if children is not batch or len(batch) < (2 if nested else 3):
                 return size
-            if not nested:  # fields share `size`; a list of samples differs somewhere (one read a tensor)
+            if not nested:
                 try:
                     for other in batch:
                         if isinstance(other, _Tensor) and other.shape[0] != size:
@@ -217,7 +219,10 @@ def split(batch: Any, size: int, total: int | None = None, smallest: int = 1) ->
         if isinstance(node, (tuple, list)) and _per_sample(node, total, node is not batch):
             return [node[a:b] for a, b in pairwise(accumulate(cut, initial=0))]
         if isinstance(node, (tuple, list)) and _samples(node, node is not batch):
-            return [node] * count  # samples, though not the batch's: none cut apart
+            raise ValueError(
+                f"a list of {len(node)} samples (tensors of different lengths) in a batch of {total}: gputui cannot "
+                "tell which samples go together to micro-batch it; give each sample's fields as one list each"
+            )
         children = _children(node)
         if not children:
             return [node] * count

@@ -143,11 +143,15 @@ def test_a_list_of_samples_is_the_batch_and_each_sample_stays_whole():
     assert all(i.shape[0] == 3 for p in parts for i in p[0])  # no image cut along its channels
 
 
-def test_fields_stay_fields_and_samples_of_another_length_are_carried_whole():
+def test_fields_stay_fields_and_samples_of_another_length_are_refused():
     src, tgt = torch.ones(4, 5, dtype=torch.long), torch.ones(4, 7, dtype=torch.long)  # seq2seq: fields
     assert batch_size((src, tgt)) == 4 and [p[1].shape for p in split((src, tgt), 2)] == [(2, 7), (2, 7)]
-    batch = {"x": torch.ones(4, 2), "lengths": SEQS}  # three samples in a batch of four: no sample is cut
-    assert all(p["lengths"] is SEQS for p in split(batch, 2))
+    batch = {"x": torch.ones(4, 2), "lengths": SEQS}  # three samples in a batch of four: no guess, no cut
+    with pytest.raises(ValueError, match="a list of 3 samples .* in a batch of 4: gputui cannot tell"):
+        split(batch, 2)
+    pair = [torch.arange(5), torch.arange(7)]  # the batch's own pair is (inputs, labels): a 2-sample list is
+    with pytest.raises(ValueError, match="a list of 2 samples"):  # refused when cut, never cut apart
+        split(pair, 1)
 
 
 class _PackedGru(torch.nn.Module):
