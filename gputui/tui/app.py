@@ -298,19 +298,19 @@ class GputuiApp(App[int]):
         self.send("set_amp", mode, text=f"AMP {mode}")
 
     def action_toggle_checkpointing(self) -> None:
-        on = not self.view.once_applied(("set_checkpointing",), self.view.checkpointing)
+        on = not self.view.pending.once_applied(("set_checkpointing",), self.view.checkpointing)
         self.send("set_checkpointing", on, text=f"checkpointing {'on' if on else 'off'}")
 
     def action_free_cache(self) -> None:
         self.send("free_cache", text="free cache")
 
     def action_toggle_auto_recover(self) -> None:
-        on = not self.view.once_applied(("set_auto_recover",), self.view.auto_recover)
+        on = not self.view.pending.once_applied(("set_auto_recover",), self.view.auto_recover)
         self.send("set_auto_recover", on, text=f"auto-recover {'on' if on else 'off'}")
 
     def action_toggle_pause(self) -> None:
-        paused = self.view.once_applied(("pause", "resume"), "pause" if self.view.paused else "resume") == "pause"
-        self.send("resume" if paused else "pause")
+        now = "pause" if self.view.paused else "resume"
+        self.send("resume" if self.view.pending.once_applied(("pause", "resume"), now) == "pause" else "pause")
 
     def action_snapshot(self) -> None:
         self.send("snapshot", text="memory snapshot")

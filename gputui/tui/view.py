@@ -50,6 +50,35 @@ class Entry:
     kind: str  # requested, applied, refused, oom, error, info
 
 
+class Requests(dict[int, str]):
+    """The requests this screen sent that the job has not answered: request id -> what the timeline said,
+    and what each asked for, which a key pressed again before the answer counts on from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: dict[int, tuple[str, Any]] = {}
+
+    def add(self, request: int, text: str, action: str, value: Any) -> None:
+        self[request], self.asked[request] = text, (action, value)
+
+    def answered(self, request: int) -> None:
+        self.pop(request, None)
+        self.asked.pop(request, None)
+
+    def clear(self) -> None:
+        super().clear()
+        self.asked.clear()
+
+    def once_applied(self, actions: tuple[str, ...], now: Any) -> Any:
+        """What a setting will be once the requests waiting are applied: the newest one's of `actions` (its
+        value, or its action where the action is the value: pause, resume), else `now`."""
+        for request in reversed(self):
+            action, value = self.asked[request]
+            if action in actions:
+                return action if value is None else value
+        return now
+
+
 @dataclass
 class RunView:
     clock: Callable[[], float] = time.monotonic
@@ -63,8 +92,7 @@ class RunView:
     runs: int = 0
     series: RunSeries = field(default_factory=RunSeries)
     timeline: deque[Entry] = field(default_factory=lambda: deque(maxlen=500))
-    pending: dict[int, str] = field(default_factory=dict)
-    asked: dict[int, tuple[str, Any]] = field(default_factory=dict)  # a pending request's (action, value)
+    pending: Requests = field(default_factory=Requests)
     paused: bool = False
     auto_recover: bool = True
     stopping: bool = False
@@ -132,7 +160,6 @@ class RunView:
         self.series.clear()
         self.evals.clear()
         self.pending.clear()
-        self.asked.clear()
         self.paused = self.stopping = False
         self.started, self.ended = self.clock(), None
 
@@ -147,8 +174,7 @@ class RunView:
     def _event(self, e: Event) -> None:
         request = e.get("request_id")
         if request is not None:
-            self.pending.pop(request, None)
-            self.asked.pop(request, None)
+            self.pending.answered(request)
         if e.name == "paused":
             self.paused = True
         elif e.name == "resumed":
@@ -204,8 +230,7 @@ class RunView:
         """The user asked for something: say so at once, before the loop applies it."""
         if request_id is None:
             return
-        self.pending[request_id] = text
-        self.asked[request_id] = (action, value)
+        self.pending.add(request_id, text, action, value)
         self._log(
             Entry(time.time(), self.step, f"→ requested: {text} · applies at the next step boundary", "requested")
         )
@@ -351,17 +376,7 @@ class RunView:
             return "training has ended"
         return self.refused.get(control)
 
-    def once_applied(self, actions: tuple[str, ...], now: Any) -> Any:
-        """What a setting will be once the requests waiting for the next step are applied: the newest
-        pending request's of `actions` (its value, or its action where the action is the value: pause,
-        resume), else `now`. A key pressed again before the loop applied the first counts on from it."""
-        for request in reversed(self.pending):
-            action, value = self.asked.get(request, ("", None))
-            if action in actions:
-                return action if value is None else value
-        return now
-
     def next_amp(self) -> str:
         # a mode this gputui does not know (a newer job's) steps to the first
-        current = self.once_applied(("set_amp",), self.amp) or "off"
+        current = self.pending.once_applied(("set_amp",), self.amp) or "off"
         return AMP_MODES[(AMP_MODES.index(current) + 1) % len(AMP_MODES) if current in AMP_MODES else 0]
