@@ -210,6 +210,14 @@ class Boundary:
 
         return restore
 
+    def error_of(self, exc: BaseException) -> str | None:
+        """The run's error for an exception out of a step; None where it is a stop (stop_of), then the run's."""
+        stop = stop_of(exc)
+        if stop is None:
+            return f"{type(exc).__name__}: {exc}"
+        self.state.stop_reason = self.state.stop_reason or stop
+        return None
+
 
 def stop_of(exc: BaseException) -> str | None:
     """The stop an exception out of a step is (None: a failure): a second SIGTERM's SystemExit(143)

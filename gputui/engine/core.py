@@ -34,7 +34,7 @@ from ..step.sizing import Sizing
 from ..telemetry.controls import BATCH_NORM_FLOOR
 from ..telemetry.hub import IDLE_S
 from ..telemetry.setup import MetricsSink, for_process
-from .boundary import Boundary, stop_of
+from .boundary import Boundary
 from .continuity import SettingNow, carried
 from .deferred import DeferredLoss
 from .oom import Buffers, Generators
@@ -315,9 +315,7 @@ class Core:
                 exc.result = self.result(waits=False)
                 raise
             except BaseException as exc:
-                raised, stop = exc, stop_of(exc)  # the script's sys.exit(0), a second SIGTERM: stopped, not failed
-                error = f"{type(exc).__name__}: {exc}" if stop is None else None
-                self.state.stop_reason = self.state.stop_reason or stop
+                error, raised = self.boundary.error_of(exc), exc  # None: a stop (the script's sys.exit(0))
                 raise
             finally:
                 if error is not None:
