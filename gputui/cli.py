@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from . import __version__
-from .interrupts import in_forked_child, notice
+from .interrupts import notice, ours
 from .units import parse_size
 
 
@@ -222,7 +222,7 @@ def _run(options: argparse.Namespace) -> int:
                 # Started ignoring SIGINT (a shell script's `cmd &`), it still stops the script, as under
                 # the TUI and in fit; else a save would replay a second one into the ignore and go on.
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.signal(signal.SIGTERM, partial(_terminated, hub, os.getpid()))
+                signal.signal(signal.SIGTERM, ours(partial(_terminated, hub)))
                 return run_script(options.script, options.args, observe=hub, output=hub.output.write)
             from .tui.local import run_tui
 
@@ -280,12 +280,10 @@ def _torchrun(options: argparse.Namespace) -> int:
     return torchrun_tui(job, pid, path, script=options.script, refresh=options.refresh)
 
 
-def _terminated(hub: Any, pid: int, signum: int, frame: Any) -> None:
+def _terminated(hub: Any, signum: int, frame: Any) -> None:
     """Headless SIGTERM, as under the TUI: the training loop (fit's or the script's own) stops at its
     next step boundary and the script finishes (its save runs); a second one stops at once (143).
     fit, while it runs, has its own handler that does the same."""
-    if in_forked_child(pid, signum):
-        return
     if hub.stop_signal is None:
         hub.stop_signal = "terminated"
         notice("\ngputui: terminated: finishing the current step, then stopping (again to stop at once)\n")

@@ -114,15 +114,21 @@ def notice(line: str) -> None:
         sys.stderr.write(line)
 
 
-def in_forked_child(pid: int, signum: int) -> bool:
-    """Whether a handler installed by process `pid` runs in a child forked from it (a DataLoader worker),
-    which a Ctrl-C to the process group or a terminate() reaches too: there the signal does what it would
-    have without gputui (SIGINT raises KeyboardInterrupt, which a worker takes as its parent's stop; SIGTERM
-    ends the child), and the handler does nothing more."""
-    if os.getpid() == pid:
-        return False
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    return True
+def ours(handler: Any) -> Any:
+    """`handler`, marked as gputui's stop handler (SIGINT, SIGTERM): a child forked while it is installed
+    (a DataLoader worker) gets Python's own back (_forked)."""
+    handler.gputui_stop = True
+    return handler
+
+
+def _forked() -> None:
+    """In a forked child: a Ctrl-C to the process group or a terminate() reaches it too, and gputui's
+    handler there would print "finishing the current step" once a worker and leave SIGTERM a flag. The
+    child takes them as it would without gputui: SIGINT raises KeyboardInterrupt (a worker's cue that its
+    parent stops), SIGTERM ends it."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if getattr(signal.getsignal(sig), "gputui_stop", False):
+            signal.signal(sig, default)
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -4,14 +4,13 @@ remedy never lands inside an accumulation window."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..interrupts import in_forked_child, notice
+from ..interrupts import notice, ours
 from ..step.checkpointing import Checkpointing
 from ..step.precision import Precision
 from ..telemetry.controls import Control
@@ -185,11 +184,9 @@ class Boundary:
         previous = {sig: signal.getsignal(sig) for sig in names}
         shared = self.agreement is not None
         first: list[float] = []
-        pid = os.getpid()
 
+        @ours
         def handler(signum: int, frame: Any) -> None:
-            if in_forked_child(pid, signum):
-                return
             if self.signal is not None:  # the second one: stop now
                 if shared and time.monotonic() - first[0] < REPEATED_SIGNAL_S:
                     return  # torchrun passing on the Ctrl-C the terminal gave this rank already

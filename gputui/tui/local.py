@@ -273,4 +273,4 @@ def _install_signals(hub: Any, state: _State) -> None:
 
     signal.signal(signal.SIGHUP, hangup)
     for sig in STOPS:
-        signal.signal(sig, stop)
+        signal.signal(sig, interrupts.ours(stop))

@@ -2,6 +2,7 @@ import io
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from process import python
@@ -86,24 +87,33 @@ def test_a_notice_from_a_handler_that_interrupted_a_write_to_stderr_does_not_rai
 
 
 def test_a_forked_child_takes_a_signal_as_it_would_without_gputui():
-    """A DataLoader worker forked from a training process inherits fit's handlers, and a Ctrl-C to the
-    process group or the loader's terminate() reaches it: there SIGINT raises KeyboardInterrupt (the worker
-    loop's cue that its parent stops) and SIGTERM ends it, with no "finishing the current step" line."""
+    """A DataLoader worker forked from a training process would inherit gputui's stop handlers, and a Ctrl-C
+    to the process group or the loader's terminate() reaches it: there SIGINT raises KeyboardInterrupt (the
+    worker loop's cue that its parent stops) and SIGTERM ends it, with no "finishing the current step" line.
+    The parent keeps its handlers."""
     import os
     import signal
 
-    parent = os.getpid()
-    assert not interrupts.in_forked_child(parent, signal.SIGINT)  # the process that installed it: its own
-    child = os.fork()
-    if child == 0:
-        try:
-            interrupts.in_forked_child(parent, signal.SIGINT)
-        except KeyboardInterrupt:
-            os._exit(7)
-        os._exit(1)
-    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 7
-    child = os.fork()
-    if child == 0:
-        interrupts.in_forked_child(parent, signal.SIGTERM)
-        os._exit(1)  # never: the default action ended it
-    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == -signal.SIGTERM
+    said = []
+    handler = interrupts.ours(lambda signum, frame: said.append(signum))
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child = os.fork()
+        if child == 0:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            except KeyboardInterrupt:
+                os._exit(7)
+            os._exit(1)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 7
+        child = os.fork()
+        if child == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+            os._exit(1)  # never: the default action ended it
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == -signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is handler and not said  # the parent's own, untouched
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
