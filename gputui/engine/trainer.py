@@ -142,11 +142,16 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._close(exc, exchange=True)
+
+    def _close(self, exc: tuple[Any, ...], *, exchange: bool) -> None:
+        """End the part; `exchange`: the loop ended, so under torchrun a closing exchange says a failure
+        after its last step (not when the script ended with the trainer open: _end_unclosed)."""
         run, self._run = self._run, None
         self._closed = True
         if run is None:
             return
-        if exc[0] is None:  # the loop ended: under torchrun a closing exchange says a failure after its last step
+        if exc[0] is None and exchange:
             try:
                 self._core.strategy.end(self._core.state.epochs_done)
             except BaseException as error:
@@ -269,7 +274,5 @@ def _end_unclosed(ref: weakref.ref[Trainer]) -> None:
     end record (its summary, the metrics file's end line). No closing exchange: an error may have ended the
     script, not its loop."""
     trainer = ref()
-    run = trainer._run if trainer is not None else None
-    if trainer is not None and run is not None:
-        trainer._run, trainer._closed = None, True
-        run.__exit__(None, None, None)
+    if trainer is not None:
+        trainer._close((None, None, None), exchange=False)
