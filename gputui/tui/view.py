@@ -95,6 +95,7 @@ class RunView:
     pending: Requests = field(default_factory=Requests)
     paused: bool = False
     auto_recover: bool = True
+    changed: dict[str, tuple[int, Any]] = field(default_factory=dict)  # "amp"/"checkpointing": (samples_seen, value)
     stopping: bool = False
     signalled: str | None = None  # `gputui run` was signalled (why): its screen leaves once the script ends
     waiting_oom: Event | None = None
@@ -155,6 +156,7 @@ class RunView:
         self.runs = runs
         self.generation += 1
         self.info = self.summary = self.latest = self.first = self.waiting_oom = self.top = self.plan = None
+        self.changed.clear()
         self.rank_waiting = None
         self.ooms = self.skipped = 0
         self.series.clear()
@@ -182,6 +184,9 @@ class RunView:
             self.waiting_oom = None
         elif e.name == "auto_recover_changed":
             self.auto_recover = bool(e["enabled"])
+        elif e.name in ("amp_changed", "checkpointing_changed"):  # before the next step's record says it
+            value = e["to"] if e.name == "amp_changed" else e["enabled"]
+            self.changed[e.name[: -len("_changed")]] = (self.samples_seen, value)
         elif e.name == "rank_waiting":
             self.rank_waiting = e
         elif e.name == "oom" and e.get("waiting"):
@@ -286,13 +291,17 @@ class RunView:
     @property
     def amp(self) -> str | None:
         """The mixed precision in use (None before the run says)."""
-        return self.latest.amp if self.latest else self.info.amp if self.info else None
+        return self._setting("amp", self.latest.amp if self.latest else self.info.amp if self.info else None)
 
     @property
     def checkpointing(self) -> bool:
-        if self.latest is not None:
-            return self.latest.checkpointing
-        return self.info is not None and self.info.checkpointing
+        now = self.latest.checkpointing if self.latest is not None else bool(self.info and self.info.checkpointing)
+        return bool(self._setting("checkpointing", now))
+
+    def _setting(self, name: str, recorded: Any) -> Any:
+        """A setting as the last step's record says it, or as a change applied after that record says it."""
+        seen, value = self.changed.get(name, (-1, recorded))
+        return value if seen == self.samples_seen else recorded
 
     @property
     def refused(self) -> Mapping[str, str]:

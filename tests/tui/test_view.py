@@ -253,3 +253,15 @@ def test_the_ranks_key_changes_only_with_what_is_shown():
     assert v.ranks(5) == before and hash(v.ranks(5)) == hash(before)
     v.apply(update(sample(3, ranks=ranks(500, 610)), info=v.info))
     assert v.ranks(5) != before
+
+
+def test_a_setting_changed_after_the_last_step_is_the_views_before_the_next_steps_record():
+    """The change's event reaches the screen before the next step's record: the view says the new AMP and
+    checkpointing from the event (a key pressed again counts on from it), the records again once a later
+    step brings them."""
+    v = view(None, sample(5))
+    v.apply(update(events=[Event("amp_changed", 5, {"from": "off", "to": "bf16", "request_id": 1})], info=v.info))
+    v.apply(update(events=[Event("checkpointing_changed", 5, {"enabled": True, "how": "4 x Block"})], info=v.info))
+    assert v.amp == "bf16" and v.checkpointing and v.next_amp() == "fp16"
+    v.apply(update(sample(6), info=v.info))  # a later record (this test's says off) is the truth again
+    assert v.amp == "off" and not v.checkpointing
