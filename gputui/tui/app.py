@@ -26,6 +26,7 @@ from textual.screen import Screen
 
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
+from .availability import cannot_send, why_not
 from .keys import BY_KEY, KEYS, Key, shown
 from .messages import RequestControl, ShowScreen
 from .panels.base import Panel
@@ -143,7 +144,7 @@ class MainScreen(Screen[None]):
     def on_key(self, event: events.Key) -> None:
         """A dimmed key does nothing, but says why."""
         key = BY_KEY.get(event.key)
-        reason = self.view.why_not(key.action, self.source.watch_only) if key is not None else None
+        reason = why_not(self.view, key.action, self.source.watch_only) if key is not None else None
         if key is not None and reason:
             self.notify(reason, title=key.label, severity="warning", timeout=4)
 
@@ -229,7 +230,7 @@ class GputuiApp(App[int]):
         if oom is not None and oom is not self._oom_shown:
             self._oom_shown = oom
             why = {k.control: self.why_not(k.action) for k in KEYS if k.control}
-            why["plan"] = self.view.cannot_send("plan", self.source.watch_only)  # the w its hint names
+            why["plan"] = cannot_send(self.view, "plan", self.source.watch_only)  # the w its hint names
             self.push_screen(OomScreen(self.view, why), self._oom_choice)
         if self.view.signalled and not self._quitting:
             self.leave_when_done(self.view.signalled)
@@ -249,7 +250,7 @@ class GputuiApp(App[int]):
 
     # -- keys ------------------------------------------------------------------------------------
     def why_not(self, action: str) -> str | None:
-        return self.view.why_not(action, self.source.watch_only)
+        return why_not(self.view, action, self.source.watch_only)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         return None if self.why_not(action) else True
@@ -323,7 +324,7 @@ class GputuiApp(App[int]):
         self.push_screen(PlannerScreen(self.view, self.source.watch_only))  # it asks for a plan where it can
 
     def action_memory(self) -> None:
-        if not self.view.cannot_send("memory_summary", self.source.watch_only):
+        if not cannot_send(self.view, "memory_summary", self.source.watch_only):
             self.send("memory_summary", text="memory summary")
         self.push_screen(MemoryScreen(self.view))
 

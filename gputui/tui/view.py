@@ -15,13 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..telemetry.controls import AMP_MODES, BATCH_NORM_FLOOR
+from ..telemetry.controls import AMP_MODES
 from ..telemetry.describe import describe, number, waiting_text
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
 from ..telemetry.sample import Event, GpuReading, RankMemory, StepSample
-from .keys import BY_ACTION
 from .ranks import Ranks
 from .sources import Update
 
@@ -357,33 +356,6 @@ class RunView:
             return None
         eta = (total - s.step) * s.batch_size / s.samples_per_s
         return eta if 0 <= eta < MAX_ETA else None  # a job's rate of 1e-300 samples/s is no duration
-
-    def why_not(self, action: str, watch_only: str | None) -> str | None:
-        """None if the key can act now, else the one-line reason shown when it is pressed."""
-        key = BY_ACTION.get(action)
-        if key is None or key.control is None or key.screen:
-            return None
-        reason = self.cannot_send(key.control, watch_only)
-        if reason or self.info is None:  # the run not started has a reason
-            return reason
-        s = self.latest
-        if action == "halve_batch" and s is not None and s.micro_batch <= 1:
-            return "the micro-batch is already 1"
-        if action == "halve_batch" and s is not None and s.micro_batch <= self.info.min_micro_batch:
-            return BATCH_NORM_FLOOR
-        if action == "double_batch" and s is not None and s.micro_batch >= s.batch_size:
-            return f"the micro-batch already equals the global batch ({s.batch_size})"
-        return None
-
-    def cannot_send(self, control: str, watch_only: str | None) -> str | None:
-        """None if the run can take the control now, else why not."""
-        if watch_only:
-            return watch_only
-        if self.info is None:
-            return "training has not started yet"
-        if not self.training:
-            return "training has ended"
-        return self.refused.get(control)
 
     def next_amp(self) -> str:
         # a mode this gputui does not know (a newer job's) steps to the first

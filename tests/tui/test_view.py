@@ -5,6 +5,7 @@ import pytest
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
+from gputui.tui.availability import why_not
 from gputui.tui.keys import KEYS
 from gputui.tui.sources import Update
 from gputui.tui.view import RunView
@@ -96,21 +97,21 @@ def test_a_banner_replaces_the_status():
 
 def test_why_not_says_why_a_key_cannot_act():
     v = RunView()
-    assert v.why_not("halve_batch", None) == "training has not started yet"
-    assert v.why_not("help", "watch-only") is None  # screens never need the loop
+    assert why_not(v, "halve_batch", None) == "training has not started yet"
+    assert why_not(v, "help", "watch-only") is None  # screens never need the loop
     v = view(RunInfo(min_micro_batch=2), sample(1, micro=4, batch=16))
-    assert v.why_not("halve_batch", "watch-only: attach with --control to steer") == (
+    assert why_not(v, "halve_batch", "watch-only: attach with --control to steer") == (
         "watch-only: attach with --control to steer"
     )
-    assert [k.action for k in KEYS if v.why_not(k.action, None)] == []
+    assert [k.action for k in KEYS if why_not(v, k.action, None)] == []
     v.apply(update(sample(2, micro=2, batch=16), info=v.info))
-    assert v.why_not("halve_batch", None) == BATCH_NORM_FLOOR  # the floor BatchNorm sets
+    assert why_not(v, "halve_batch", None) == BATCH_NORM_FLOOR  # the floor BatchNorm sets
     v.apply(update(sample(3, micro=16, batch=16), info=v.info))
-    assert v.why_not("double_batch", None) == "the micro-batch already equals the global batch (16)"
+    assert why_not(v, "double_batch", None) == "the micro-batch already equals the global batch (16)"
     v = view(RunInfo(), sample(1, micro=1, batch=16))
-    assert v.why_not("halve_batch", None) == "the micro-batch is already 1"
+    assert why_not(v, "halve_batch", None) == "the micro-batch is already 1"
     v.apply(update(info=v.info, summary=RunSummary(steps=1)))
-    assert v.why_not("free_cache", None) == "training has ended"
+    assert why_not(v, "free_cache", None) == "training has ended"
 
 
 def test_why_not_reads_the_refusals_the_run_announced():
@@ -119,7 +120,7 @@ def test_why_not_reads_the_refusals_the_run_announced():
     )
     refused["snapshot"] = "memory snapshots are a CUDA allocator feature"
     v = view(RunInfo(mode="observe", refused=refused), sample(1))
-    reasons = {k.action: v.why_not(k.action, None) for k in KEYS}
+    reasons = {k.action: why_not(v, k.action, None) for k in KEYS}
     assert v.observed
     assert reasons == {
         "halve_batch": OWN_LOOP,
@@ -138,7 +139,7 @@ def test_why_not_reads_the_refusals_the_run_announced():
         "quit": None,
     }
     paused = view(RunInfo(refused={"pause": "this run cannot pause"}), sample(1))
-    assert paused.why_not("toggle_pause", None) == "this run cannot pause"
+    assert why_not(paused, "toggle_pause", None) == "this run cannot pause"
 
 
 def test_loss_series_and_throughput():

@@ -21,6 +21,7 @@ from gputui.engine.oom import Buffers
 from gputui.step.microbatch import sizes, split
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.describe import describe
+from gputui.tui.availability import why_not
 from gputui.tui.sources import LocalSource
 from gputui.tui.view import RunView
 
@@ -191,7 +192,7 @@ def test_the_halve_key_is_dimmed_at_the_floor_with_the_reason(hub):
     class Reader(Sink):  # the TUI's view of the run, read while it trains
         def on_sample(self, sample):
             view.apply(source.poll())
-            reasons.append(view.why_not("halve_batch", None))
+            reasons.append(why_not(view, "halve_batch", None))
 
     hub.add_sink(Reader())
     model = BnNet()

@@ -9,6 +9,7 @@ from rich.text import Text
 
 from ...telemetry.describe import number
 from ...units import format_bytes, format_bytes_short, format_pieces
+from ..availability import why_not
 from ..keys import BY_ACTION, KEYS, Key, shown
 from ..planned import pieces, predicted
 from ..view import RunView
@@ -39,7 +40,7 @@ class RemediesBar(RunPanel):
     def shows(self) -> Hashable:
         v, s = self.view, self.view.latest
         batch = (s.micro_batch, s.accumulation, s.batch_size) if s else None
-        dimmed = tuple(v.why_not(k.action, self.watch_only) for k in KEYS if k.control)
+        dimmed = tuple(why_not(v, k.action, self.watch_only) for k in KEYS if k.control)
         return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed, v.plans
 
     def render(self) -> RenderableType:
@@ -51,7 +52,7 @@ class RemediesBar(RunPanel):
         v, s = self.view, self.view.latest
 
         def key(k: Key, label: str, style: str = "bold", keys: str | None = None) -> Text:
-            dim = v.why_not(k.action, self.watch_only) is not None
+            dim = why_not(v, k.action, self.watch_only) is not None
             return (
                 Text()
                 .append(f"[{keys or shown(k)}]", style="dim" if dim else "bold reverse")
@@ -90,7 +91,7 @@ class RemediesBar(RunPanel):
         if wide:  # why the dimmed keys cannot act, each reason once (narrower: when the key is pressed)
             reasons: dict[str, list[str]] = {}
             for k in actions:
-                reason = v.why_not(k.action, self.watch_only)
+                reason = why_not(v, k.action, self.watch_only)
                 if reason:
                     reasons.setdefault(reason, []).append(shown(k))
             entries += [Text(f"· {' '.join(keys)}: {reason}", style="dim italic") for reason, keys in reasons.items()]

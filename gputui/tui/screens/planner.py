@@ -13,6 +13,7 @@ from textual.widgets import DataTable, Footer, Static
 from ...telemetry.describe import number
 from ...telemetry.sample import Event
 from ...units import format_bytes
+from ..availability import cannot_send
 from ..keys import for_remedy
 from ..messages import RequestControl
 from ..planned import fresh, option, options, pieces
@@ -61,7 +62,7 @@ class PlannerScreen(Overlay):
 
     def ask(self, *, quiet: bool) -> None:
         """Send the plan control, or say why not (on opening the screen says it in its status line)."""
-        reason = self.view.cannot_send("plan", self.watch_only)
+        reason = cannot_send(self.view, "plan", self.watch_only)
         if reason:
             if not quiet:
                 self.notify(reason, title="plan", severity="warning", timeout=4)
@@ -107,7 +108,7 @@ class PlannerScreen(Overlay):
 def plan_status(v: RunView, planning: bool, watch_only: str | None) -> Text:
     """What the table is: when and why it was made, against what capacity, whether it is still the
     run's (stale, still coming in), and whether this screen can ask for another."""
-    plan, cannot = v.plan, v.cannot_send("plan", watch_only)
+    plan, cannot = v.plan, cannot_send(v, "plan", watch_only)
     text = Text()
     if plan is None:
         if planning:
