@@ -8,16 +8,18 @@ import time
 
 import pytest
 
+from gputui import jobs
 from gputui.telemetry import protocol
 from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
-from gputui.telemetry.paths import UnsafeDirectory, socket_dir
+from gputui.telemetry.paths import Job, UnsafeDirectory, socket_dir
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, StepRecord, StepSample
 from gputui.telemetry.server import TelemetryServer, serve
 from gputui.telemetry.server import admission as admission_module
 from gputui.telemetry.server import listener as listener_module
 from gputui.telemetry.server import peers as peers_module
+from gputui.telemetry.server import welcome as welcome_module
 
 pytestmark = pytest.mark.usefixtures("runtime_dir")  # each test's sockets in its own folder
 
@@ -105,6 +107,31 @@ def test_the_welcome_is_built_once_per_change_of_the_run_not_per_connection(serv
     with Connection(server.path) as third:
         assert third.welcome().latest.step == 4
     assert len(built) == 2
+
+
+def test_a_client_connecting_long_after_is_told_how_the_job_stands_and_every_evaluation(served):
+    """Past the recent events' window, a new client still gets the latest of the events that say how the
+    job stands (paused, the last plan...) and the run's evaluations, in the order they came: an attach
+    or `gputui jobs` long after a pause shows it paused, and the loss chart keeps its eval line."""
+    hub, server = served
+    hub.start(RunInfo(device="cpu", argv=("train.py",)))
+    hub.publish(sample(1))
+    evals = {"batches": 1, "samples": 8, "items": 8, "seconds": 0.1, "micro_batch": 8, "ooms": 0}
+    hub.emit(Event("paused", 1, {"reason": "test"}))
+    hub.emit(Event("resumed", 1, {}))
+    for n in range(3):
+        hub.emit(Event("eval", 1, {"value": float(n), **evals}))
+    hub.emit(Event("paused", 1, {"reason": "test"}))
+    for _ in range(welcome_module.RECENT_EVENTS + 50):  # controls applied while paused
+        hub.emit(Event("cache_freed", 1, {"bytes": 0}))
+
+    def names():
+        with Connection(server.path) as conn:
+            return [e["name"] for e in conn.welcome().events]
+
+    until(lambda: names()[-1:] == ["cache_freed"] and names().count("cache_freed") == welcome_module.RECENT_EVENTS)
+    assert names() == ["eval", "eval", "eval", "paused"] + ["cache_freed"] * welcome_module.RECENT_EVENTS
+    assert jobs.row(Job(os.getpid(), server.path))["state"] == "paused"
 
 
 def test_watch_only_cannot_steer_but_control_can(served):

@@ -23,7 +23,24 @@ from ..sample import Event, StepRecord
 from .printed import Printed
 
 RECENT_EVENTS = 200
-"""Events a new client receives as the past."""
+"""Events a new client receives as the recent past (its timeline)."""
+
+STANDING = {
+    "paused": "pause",
+    "resumed": "pause",
+    "oom": "oom",
+    "auto_recover_changed": "auto_recover",
+    "rank_waiting": "rank_waiting",
+    "plan": "plan",
+    "top_tensors": "top_tensors",
+    "memory_summary": "memory_summary",
+    "step_skipped": "step_skipped",
+}
+"""Events whose latest one (of its family) says how the job stands now (paused, waiting after an OOM,
+the last plan...): a new client receives it however many events came after it."""
+
+KEPT_EVALS = 1000
+"""Evaluations a new client receives however old: the loss chart's eval line (a screen keeps as many)."""
 
 FOLD_AT = 4096
 """Steps kept unfolded at most: the history stays bounded (it halves) with no client for days."""
@@ -37,7 +54,10 @@ class RunSoFar:
         self.info: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.last_step: StepRecord | None = None  # as an object: encoded only when a client wants it
-        self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        self._seq = 0  # events folded in, numbering them: the welcome sends its events in their order
+        self.events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=RECENT_EVENTS)
+        self.standing: dict[str, tuple[int, dict[str, Any]]] = {}  # STANDING's family -> its latest
+        self.evals: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEPT_EVALS)
         self.series = RunSeries()
         self.gpus: dict[str, Any] | None = None
         self._gpus_at = 0.0
@@ -60,12 +80,21 @@ class RunSoFar:
         if kind == "start":
             self.info, self.summary, self.last_step = item.to_json(), None, None
             self.events.clear()
+            self.standing.clear()
+            self.evals.clear()
             self.series.clear()
             self._unfolded.clear()
             return clean({"kind": "start", "runs": self.hub.runs, "info": self.info})
         if kind == "event":
             record = clean(item.to_json())
-            self.events.append(record)
+            self._seq += 1
+            numbered = (self._seq, record)
+            self.events.append(numbered)
+            family = STANDING.get(item.name)
+            if family is not None:
+                self.standing[family] = numbered
+            elif item.name == "eval":
+                self.evals.append(numbered)
             if item.name == "run_continued" and self.info is not None:
                 self.info = item_info(self.info, item)
             return record
@@ -111,7 +140,7 @@ class RunSoFar:
             "controllable": True,
         }
         self._fold()
-        records = [clean(hello), clean({"kind": "history", "series": self.series.to_json()}), *self.events]
+        records = [clean(hello), clean({"kind": "history", "series": self.series.to_json()}), *self.past()]
         if self.last_step is not None:
             records.append(clean({"kind": "steps", "rows": [self.last_step.row()]}))
         if self.gpus is not None:
@@ -123,6 +152,13 @@ class RunSoFar:
         welcome = b"".join(encode(record) for record in records)
         self._welcome = (key, welcome)
         return welcome
+
+    def past(self) -> list[dict[str, Any]]:
+        """The recent events, after the older ones a new client still needs (STANDING's, the evals),
+        all in the order they came."""
+        recent = self.events[0][0] if self.events else self._seq + 1
+        older = sorted(e for e in (*self.standing.values(), *self.evals) if e[0] < recent)
+        return [record for _, record in (*older, *self.events)]
 
     def _fold(self) -> None:
         """The steps since the last fold into the history a welcome sends, from their records' figures
