@@ -26,7 +26,7 @@ from textual.screen import Screen
 
 from ..telemetry.output import OutputLog
 from ..telemetry.sample import Event
-from .availability import cannot_send, why_not
+from .availability import cannot_send, halved, micro_batch_once_applied, why_not
 from .keys import BY_KEY, KEYS, Key, shown
 from .messages import RequestControl, ShowScreen
 from .panels.base import Panel
@@ -288,8 +288,9 @@ class GputuiApp(App[int]):
         await self.act(message.name)
 
     def action_halve_batch(self) -> None:
-        s = self.view.latest
-        self.send("halve_batch", text=f"halve micro-batch{f' ({s.micro_batch} -> {s.micro_batch // 2})' if s else ''}")
+        micro = micro_batch_once_applied(self.view)
+        sizes = f" ({micro} -> {halved(self.view, micro)})" if micro else ""
+        self.send("halve_batch", text=f"halve micro-batch{sizes}")
 
     def action_double_batch(self) -> None:
         self.send("double_batch", text="double micro-batch")

@@ -20,6 +20,26 @@ def cannot_send(view: RunView, control: str, watch_only: str | None) -> str | No
     return view.refused.get(control)
 
 
+def halved(view: RunView, micro: int) -> int:
+    """`micro` halved as the job's rule does it (step/sizing.py, past the boundary the screen cannot
+    import): never below the run's floor, nor below 1."""
+    return max(micro // 2, view.info.min_micro_batch if view.info else 1, 1)
+
+
+def micro_batch_once_applied(view: RunView) -> int | None:
+    """The micro-batch once the halvings and doublings this screen asked for are applied (as the job's
+    halving rule would make it), so a key pressed again before the answer counts on from them."""
+    micro, s = view.micro_batch, view.latest
+    if micro is None or s is None:
+        return None
+    for action, _ in view.pending.asked.values():
+        if action == "halve_batch":
+            micro = halved(view, micro)
+        elif action == "double_batch":
+            micro = min(micro * 2, s.batch_size)
+    return micro
+
+
 def why_not(view: RunView, action: str, watch_only: str | None) -> str | None:
     """None if the key can act now, else the one-line reason shown when it is pressed."""
     key = BY_ACTION.get(action)
@@ -28,11 +48,15 @@ def why_not(view: RunView, action: str, watch_only: str | None) -> str | None:
     reason = cannot_send(view, key.control, watch_only)
     if reason or view.info is None:  # the run not started has a reason
         return reason
-    s = view.latest
-    if action == "halve_batch" and s is not None and s.micro_batch <= 1:
-        return "the micro-batch is already 1"
-    if action == "halve_batch" and s is not None and s.micro_batch <= view.info.min_micro_batch:
+    micro, s = micro_batch_once_applied(view), view.latest
+    if micro is None or s is None:
+        return None
+    asked = bool(view.pending)  # the limit is reached once what was asked is applied
+    if action == "halve_batch" and micro <= 1:
+        return f"the micro-batch {'will already be' if asked else 'is already'} 1"
+    if action == "halve_batch" and micro <= view.info.min_micro_batch:
         return BATCH_NORM_FLOOR
-    if action == "double_batch" and s is not None and s.micro_batch >= s.batch_size:
-        return f"the micro-batch already equals the global batch ({s.batch_size})"
+    if action == "double_batch" and micro >= s.batch_size:
+        equals = "will already equal" if asked else "already equals"
+        return f"the micro-batch {equals} the global batch ({s.batch_size})"
     return None

@@ -94,7 +94,7 @@ class RunView:
     pending: Requests = field(default_factory=Requests)
     paused: bool = False
     auto_recover: bool = True
-    changed: dict[str, tuple[int, Any]] = field(default_factory=dict)  # "amp"/"checkpointing": (samples_seen, value)
+    changed: dict[str, tuple[int, Any]] = field(default_factory=dict)  # a setting: (samples_seen, value)
     stopping: bool = False
     signalled: str | None = None  # `gputui run` was signalled (why): its screen leaves once the script ends
     waiting_oom: Event | None = None
@@ -186,6 +186,10 @@ class RunView:
         elif e.name in ("amp_changed", "checkpointing_changed"):  # before the next step's record says it
             value = e["to"] if e.name == "amp_changed" else e["enabled"]
             self.changed[e.name[: -len("_changed")]] = (self.samples_seen, value)
+        elif e.name == "micro_batch_changed" and type(e["to"]) is int:
+            self.changed["micro_batch"] = (self.samples_seen, e["to"])
+        elif e.name in ("oom_recovered", "thrashing") and type(e["micro_batch_to"]) is int:
+            self.changed["micro_batch"] = (self.samples_seen, e["micro_batch_to"])
         elif e.name == "rank_waiting":
             self.rank_waiting = e
         elif e.name == "oom" and e.get("waiting"):
@@ -296,6 +300,11 @@ class RunView:
     def checkpointing(self) -> bool:
         now = self.latest.checkpointing if self.latest is not None else bool(self.info and self.info.checkpointing)
         return bool(self._setting("checkpointing", now))
+
+    @property
+    def micro_batch(self) -> int | None:
+        """The micro-batch in use (None before the first step's record)."""
+        return self._setting("micro_batch", self.latest.micro_batch) if self.latest is not None else None
 
     def _setting(self, name: str, recorded: Any) -> Any:
         """A setting as the last step's record says it, or as a change applied after that record says it."""

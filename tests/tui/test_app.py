@@ -89,9 +89,10 @@ async def test_remedy_keys(make_app, hub, monkeypatch, key, event, shown):
 
 
 async def test_a_key_pressed_again_before_the_loop_answers_counts_on_from_the_first(make_app, hub, monkeypatch):
-    """a a is off -> bf16 -> fp16 and c c is on then off, though the screen still shows the setting before
-    them (the loop applies requests at the next step boundary): each press counts from the one before it,
-    not from what the screen showed. Held here: none is applied, so every press comes before an answer."""
+    """b b halves 16 -> 8 -> 4, a a is off -> bf16 -> fp16 and c c is on then off, though the screen still
+    shows the setting before them (the loop applies requests at the next step boundary): each press counts
+    from the one before it, not from what the screen showed. Held here: none is applied, so every press
+    comes before an answer."""
     from gputui.telemetry.controls import Control
 
     def held(action, value=None, **kwargs):
@@ -104,9 +105,13 @@ async def test_a_key_pressed_again_before_the_loop_answers_counts_on_from_the_fi
         await started(pilot, app, hub)
         with monkeypatch.context() as patched:  # undone before the fixture's stop, which must reach the loop
             patched.setattr(hub.controls, "request", held)
-            for key in "aaaccoopp":
+            for key in "bbaaaccoopp":
                 await pilot.press(key)
+            halvings = [text for text in app.view.pending.values() if text.startswith("halve")]
+    assert halvings == ["halve micro-batch (16 -> 8)", "halve micro-batch (8 -> 4)"]
     assert sent == [
+        ("halve_batch", None),
+        ("halve_batch", None),
         ("set_amp", "bf16"),
         ("set_amp", "fp16"),
         ("set_amp", "off"),

@@ -5,7 +5,7 @@ import pytest
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
-from gputui.tui.availability import why_not
+from gputui.tui.availability import micro_batch_once_applied, why_not
 from gputui.tui.keys import KEYS
 from gputui.tui.sources import Update
 from gputui.tui.view import RunView
@@ -266,3 +266,39 @@ def test_a_setting_changed_after_the_last_step_is_the_views_before_the_next_step
     assert v.amp == "bf16" and v.checkpointing and v.next_amp() == "fp16"
     v.apply(update(sample(6), info=v.info))  # a later record (this test's says off) is the truth again
     assert v.amp == "off" and not v.checkpointing
+
+
+def test_the_batch_keys_count_on_from_the_halvings_and_doublings_asked_and_applied():
+    """b pressed again before the job answers (or before the next step's record, after the change's
+    event) counts from the micro-batch the first will make: the key is dimmed when the halvings asked
+    already reach 1, and the timeline's text says each halving's own sizes."""
+    v = view(RunInfo(), sample(1, micro=4, batch=16))
+    v.requested(1, "halve", "halve_batch")
+    assert micro_batch_once_applied(v) == 2 and why_not(v, "halve_batch", None) is None
+    v.requested(2, "halve", "halve_batch")
+    assert micro_batch_once_applied(v) == 1
+    assert why_not(v, "halve_batch", None) == "the micro-batch will already be 1"
+    changed = Event("micro_batch_changed", 1, {"from": 4, "to": 2, "accumulation": 8, "request_id": 1})
+    v.apply(update(events=[changed], info=v.info))  # the first applied, before step 2's record
+    assert v.micro_batch == 2 and micro_batch_once_applied(v) == 1
+    v.apply(
+        update(
+            sample(2, micro=1, batch=16),
+            events=[Event("micro_batch_changed", 1, {"from": 2, "to": 1, "accumulation": 16, "request_id": 2})],
+            info=v.info,
+        )
+    )
+    assert not v.pending and why_not(v, "halve_batch", None) == "the micro-batch is already 1"
+    v.requested(3, "double", "double_batch")
+    v.requested(4, "double", "double_batch")
+    v.requested(5, "double", "double_batch")
+    assert micro_batch_once_applied(v) == 8 and why_not(v, "double_batch", None) is None
+    v.requested(6, "double", "double_batch")
+    assert why_not(v, "double_batch", None) == "the micro-batch will already equal the global batch (16)"
+    recovered = {"phase": "backward", "micro_batch": 1, "micro_batch_to": 1, "accumulation": 16, "batch_size": 16}
+    v.apply(update(sample(3, micro=16, batch=16), info=v.info, summary=None))
+    v.pending.clear()
+    v.apply(
+        update(events=[Event("oom_recovered", 3, {**recovered, "micro_batch": 16, "micro_batch_to": 8})], info=v.info)
+    )
+    assert v.micro_batch == 8 and why_not(v, "double_batch", None) is None  # an OOM's replay halved it
