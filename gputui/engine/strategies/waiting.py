@@ -104,7 +104,8 @@ class Apart:
                 self._read(s)
                 self.done.wait(ROLL_S)
             if self.closing and self.ended is None:  # closed together: a later part's first wait must not read it
-                s.delete_key(CLOSED)
+                s.set(CLOSED, f"{self.rank} -1 {self.seq}")  # overwritten, not deleted: a reader between its
+                # check and its get would wait in the get until the store's timeout
         except Exception:  # no store to read (a group made from a file, say): the wait goes on without it
             return
 
