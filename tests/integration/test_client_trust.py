@@ -14,6 +14,7 @@ import time
 
 import pytest
 from process import gputui
+from samples import step_sample
 
 from gputui.telemetry.protocol import VERSION
 from gputui.telemetry.sample import Memory, StepRecord, StepSample
@@ -34,7 +35,7 @@ HELLO = {
 
 def steps(memory=None, **fields):
     """A steps record of one row (StepSample's fields in order), the `fields` named replaced."""
-    row = StepRecord.of(StepSample(1.0, 3, 0, 0.5, 8, 8, 1, "off", False, None, Memory("cpu", allocated=1))).row()
+    row = StepRecord.of(step_sample(3, t=1.0, loss=0.5, memory=Memory("cpu", allocated=1))).row()
     names = [f.name for f in dataclasses.fields(StepSample)]
     for name, value in fields.items():
         row[names.index(name)] = value

@@ -338,3 +338,18 @@ def plan_event(step=300, capacity=80 * GiB, complete=True, rows=None, **details)
         },
         t=T0 + step,
     )
+
+
+# A plain script with its own loop (no gputui in it), printing its loss as people do: observed.
+OWN_LOOP = """
+import time, torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3000):
+    x, y = torch.randn(16, 8), torch.randint(2, (16,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(f"step {step} loss: {loss.item():.4f}")
+    time.sleep(0.01)
+"""

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import text, until
+from fakes import OWN_LOOP
 from textual.command import CommandList, CommandPalette
 from textual.widgets import Input, RichLog
 
@@ -266,20 +267,6 @@ async def test_top_tensors_screen_lists_the_parameters(make_app, hub):
         }
         timeline = text(app, "#timeline")  # every request is answered there, this one too
         assert "requested: top tensors" in timeline and "✓ top tensors:" in timeline, timeline
-
-
-OWN_LOOP = """
-import time, torch
-from torch import nn
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3000):
-    x, y = torch.randn(16, 8), torch.randint(2, (16,))
-    loss = nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad(); loss.backward(); opt.step()
-    print(f"step {step} loss: {loss.item():.4f}")
-    time.sleep(0.01)
-"""
 
 
 async def test_own_loop_script_is_observed(own_loop_app, hub):

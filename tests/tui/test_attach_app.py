@@ -6,11 +6,12 @@ import time
 
 import pytest
 from conftest import text, until
+from samples import step_sample
 
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
+from gputui.telemetry.sample import Event, Memory, RankMemory
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
@@ -56,16 +57,12 @@ def job(tmp_path, monkeypatch, request):
                     micro //= 2
             step += 1
             hub.publish(
-                StepSample(
+                step_sample(
+                    step,
                     t=time.time(),
-                    step=step,
-                    epoch=0,
                     loss=2.0 / step,
                     batch_size=64,
                     micro_batch=micro,
-                    accumulation=64 // micro,
-                    amp="off",
-                    checkpointing=False,
                     samples_per_s=3200.0,
                     memory=Memory("cpu", allocated=1000, peak=2000),
                     # under torchrun, every rank's as the exchange gave them: rank 1 the worst

@@ -7,13 +7,14 @@ import time
 
 import pytest
 from conftest import text, until
+from samples import step_sample
 from test_output import LONG
 from textual.widgets import RichLog, Static
 
 from gputui.telemetry.client import Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.run import RunInfo
-from gputui.telemetry.sample import Memory, StepSample
+from gputui.telemetry.sample import Memory
 from gputui.telemetry.server import TelemetryServer
 from gputui.tui.app import GputuiApp
 from gputui.tui.remote import RemoteSource
@@ -41,16 +42,11 @@ def job(tmp_path, monkeypatch):
             if step % 10 == 0:  # over the bar, as tqdm.write() does
                 hub.output.write(f"\rstep {step}: loss {2.0 / step:.4f}\n")
             hub.publish(
-                StepSample(
+                step_sample(
+                    step,
                     t=time.time(),
-                    step=step,
-                    epoch=0,
                     loss=2.0 / step,
                     batch_size=16,
-                    micro_batch=16,
-                    accumulation=1,
-                    amp="off",
-                    checkpointing=False,
                     samples_per_s=800.0,
                     memory=Memory("cpu", allocated=1000, peak=2000),
                 )

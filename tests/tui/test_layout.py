@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import until
-from fakes import FrozenClock, MiB, cpu_run, cuda_run, cuda_sample, own_loop_run
+from fakes import OWN_LOOP, FrozenClock, MiB, cpu_run, cuda_run, cuda_sample, own_loop_run
 from rich.console import Console
 
 from gputui.telemetry.sample import RankMemory
@@ -190,20 +190,6 @@ async def test_the_footer_drops_the_remedy_keys_first():
         assert key in footer, footer
     wide = await shown(cuda_run(), (160, 48))
     assert " b halve  B double " in wide["footer"]  # room for all, not compacted
-
-
-OWN_LOOP = """
-import time, torch
-from torch import nn
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3000):
-    x, y = torch.randn(16, 8), torch.randint(2, (16,))
-    loss = nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad(); loss.backward(); opt.step()
-    print(f"step {step} loss: {loss.item():.4f}")
-    time.sleep(0.01)
-"""
 
 
 async def test_a_real_own_loop_at_each_width(own_loop_app, hub):

@@ -5,7 +5,7 @@ import json
 
 import torch
 from conftest import until
-from test_layout import OWN_LOOP
+from fakes import OWN_LOOP
 from torch import nn
 
 from gputui.probes import tensors

@@ -1,10 +1,11 @@
 """RunView on plain samples and events: what the screen shows, without Textual or torch."""
 
 import pytest
+from samples import step_sample
 
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, RankMemory, StepSample
+from gputui.telemetry.sample import Event, Memory, RankMemory
 from gputui.tui.availability import micro_batch_once_applied, why_not
 from gputui.tui.keys import KEYS
 from gputui.tui.sources import Update
@@ -22,19 +23,9 @@ class Clock:
 
 
 def sample(step: int, *, loss: float | None = 1.0, micro: int = 8, batch: int = 8, rate: float | None = 80.0, ranks=()):
-    return StepSample(
-        t=1000.0 + step,
-        step=step,
-        epoch=0,
-        loss=loss,
-        batch_size=batch,
-        micro_batch=micro,
-        accumulation=batch // micro,
-        amp="off",
-        checkpointing=False,
-        samples_per_s=rate,
-        memory=Memory("cpu", allocated=1000 * step, peak=2000 * step),
-        ranks=tuple(ranks),
+    memory = Memory("cpu", allocated=1000 * step, peak=2000 * step)
+    return step_sample(
+        step, loss=loss, batch_size=batch, micro_batch=micro, samples_per_s=rate, memory=memory, ranks=tuple(ranks)
     )
 
 

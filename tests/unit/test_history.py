@@ -1,8 +1,9 @@
 import pytest
+from samples import step_sample
 
 from gputui.telemetry.history import History
 from gputui.telemetry.hub import Hub
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event
 
 
 def test_history_keeps_the_whole_run_in_bounded_points():
@@ -31,19 +32,7 @@ def test_mean_history_is_the_mean_of_what_it_merged():
 
 
 def sample(step):
-    return StepSample(
-        t=0,
-        step=step,
-        epoch=0,
-        loss=1.0,
-        batch_size=1,
-        micro_batch=1,
-        accumulation=1,
-        amp="off",
-        checkpointing=False,
-        samples_per_s=None,
-        memory=Memory("cpu"),
-    )
+    return step_sample(step, t=0, batch_size=1)
 
 
 def test_hub_since_hands_each_reader_what_is_new():

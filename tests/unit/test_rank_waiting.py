@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from samples import step_sample
 
 from gputui import jobs
 from gputui.engine.options import FitOptions
@@ -17,7 +18,7 @@ from gputui.telemetry.client import Welcome
 from gputui.telemetry.describe import describe
 from gputui.telemetry.paths import Job
 from gputui.telemetry.run import RunInfo
-from gputui.telemetry.sample import Event, Memory, StepSample
+from gputui.telemetry.sample import Event, StepSample
 from gputui.tui.sources import Update
 from gputui.tui.view import RunView
 
@@ -273,19 +274,7 @@ EVENT = Event("rank_waiting", 3, {"ranks": [1], "at": 4, "waited_s": 61}, t=1000
 
 def step(n: int, t: float | None = None) -> StepSample:
     """Step `n`'s record, published at `t` (1000 + n by default)."""
-    return StepSample(
-        t=1000.0 + n if t is None else t,
-        step=n,
-        epoch=0,
-        loss=1.0,
-        batch_size=8,
-        micro_batch=8,
-        accumulation=1,
-        amp="off",
-        checkpointing=False,
-        samples_per_s=8.0,
-        memory=Memory("cpu"),
-    )
+    return step_sample(n, t=1000.0 + n if t is None else t, samples_per_s=8.0)
 
 
 def test_the_screen_says_it_counting_on_until_the_next_step():

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from samples import step_sample
 
 from gputui import jobs
 from gputui.telemetry import protocol
@@ -14,7 +15,7 @@ from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.paths import Job, UnsafeDirectory, socket_dir
 from gputui.telemetry.run import RunInfo, RunSummary
-from gputui.telemetry.sample import Event, Memory, StepRecord, StepSample
+from gputui.telemetry.sample import Event, Memory, StepRecord
 from gputui.telemetry.server import TelemetryServer, serve
 from gputui.telemetry.server import admission as admission_module
 from gputui.telemetry.server import listener as listener_module
@@ -25,19 +26,8 @@ pytestmark = pytest.mark.usefixtures("runtime_dir")  # each test's sockets in it
 
 
 def sample(step, loss=1.0, grad_norm=None):
-    return StepSample(
-        t=1.0,
-        step=step,
-        epoch=0,
-        loss=loss,
-        batch_size=8,
-        micro_batch=8,
-        accumulation=1,
-        amp="off",
-        checkpointing=False,
-        samples_per_s=None,
-        memory=Memory("cpu", allocated=100 + step, peak=200),
-        grad_norm=grad_norm,
+    return step_sample(
+        step, t=1.0, loss=loss, memory=Memory("cpu", allocated=100 + step, peak=200), grad_norm=grad_norm
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from samples import step_sample
 
 from gputui.telemetry import protocol
 from gputui.telemetry.checks import checked
@@ -52,7 +53,7 @@ def over_the_wire(*samples: StepSample) -> list[StepSample]:
 
 
 def test_a_sample_comes_back_equal_every_field_and_every_float_bit():
-    sample, bare = full(), StepSample(1.5, 1, 0, None, 8, 8, 1, "off", False, None, Memory("cpu"))
+    sample, bare = full(), step_sample(1, t=1.5, loss=None)
     assert over_the_wire(sample, bare) == [sample, bare]
 
 
@@ -150,7 +151,7 @@ def test_a_nan_loss_or_grad_norm_goes_as_null_and_does_not_hold_back_the_other_s
         with Connection(server.path, timeout=5) as conn:
             conn.welcome()
             hub.publish(full(1))
-            hub.publish(StepSample(1.0, 2, 0, math.nan, 8, 8, 1, "off", False, None, Memory("cpu"), grad_norm=math.inf))
+            hub.publish(step_sample(2, t=1.0, loss=math.nan, grad_norm=math.inf))
             hub.publish(full(3))
             rows = []
             while len(rows) < 3:
