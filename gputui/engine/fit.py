@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +80,8 @@ def fit(
     )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
-    if epochs is not None and epochs > 1 and iter(data) is data:  # said now, not after the first epoch
+    # said now, not after the first epoch; never by iterating it: a DataLoader's iterator draws its seed
+    if epochs is not None and epochs > 1 and isinstance(data, Iterator):
         raise FitError(
             f"epochs={epochs}, but data is an iterator ({type(data).__name__}): it can be iterated only once; "
             "pass a DataLoader or a list, or set epochs=1"

@@ -37,6 +37,25 @@ def test_micro_batching_matches_plain_loop(micro_batch):
     assert (result.steps, result.samples) == (5, 4 * 12 + 7)
 
 
+def test_epochs_over_a_shuffled_data_loader_match_the_plain_loop_and_leave_the_same_generator():
+    """A DataLoader draws its shuffle's seed from torch's generator each time it is iterated: fit must
+    iterate it exactly as often as a plain loop (once an epoch), or every epoch's order and every draw
+    after it differ."""
+    x, y = conv_batches(1, 40)[0]
+
+    def loader():
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
+
+    ref, model = twins(ConvNet)
+    torch.manual_seed(1)
+    plain_loop(ref, loader(), conv_step, sgd, epochs=2)
+    plain_next = torch.rand(3)
+    torch.manual_seed(1)
+    gputui.fit(model, loader(), conv_step, sgd(model), epochs=2)
+    assert_same_weights(model, ref, atol=0, rtol=0)
+    assert torch.equal(torch.rand(3), plain_next)
+
+
 def test_one_step_gradient_equals_whole_batch_gradient():
     batch = conv_batches(1, 10)
     ref, model = twins(ConvNet)
