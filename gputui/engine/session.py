@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..probes import snapshot
 from ..probes.cpu import StateTracker
@@ -175,8 +176,8 @@ class RunSession:
             device=str(self.device),
             device_name=self.probe.name,
             model=model,
-            params=sum(p.numel() for p in params),
-            trainable=sum(p.numel() for p in params if p.requires_grad),
+            params=sum(p.numel() for p in params if not is_lazy(p)),  # a Lazy module's: not made yet
+            trainable=sum(p.numel() for p in params if p.requires_grad and not is_lazy(p)),
             optimizer=type(self.optimizer).__name__,
             memory_budget=self.budget,
             refused=dict(self.refused),

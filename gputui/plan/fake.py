@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..step.checkpointing import strip_wrappers
 from ..step.microbatch import map_tensors
@@ -37,8 +38,12 @@ class FakeCopy:
         model, compiled = private.eager(model)
         if compiled:  # compiled may hold less
             self.exact_reason = "compiled model traced eagerly"
-        if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
-            raise Untraceable("sharded parameters (FSDP): each rank's step cannot be traced alone")
+        odd = next((p for p in model.parameters() if type(p) is not nn.Parameter and type(p) is not torch.Tensor), None)
+        if odd is not None and is_lazy(odd):
+            raise Untraceable("parameters not made yet (a Lazy module before its first forward): train a step first")
+        if odd is not None:
+            kind = type(odd).__name__  # FSDP's sharded ones, say
+            raise Untraceable(f"parameters of type {kind}: each rank's step cannot be traced alone")
         self.mode = mode
         self.fake_type = private.fake_tensor_type()
         self.fakes: dict[int, torch.Tensor] = {}

@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..telemetry.sample import Memory
 from ..units import format_bytes
@@ -38,12 +39,13 @@ RECOUNT_S = 1.0
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(storage address, storage bytes); views of one storage share it, so they count once."""
+    """(storage address, storage bytes); views of one storage share it, so they count once. A Lazy
+    module's parameter not made yet (before its first forward) has no bytes."""
     try:
         storage = t.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return id(t), t.numel() * t.element_size()
+    except (RuntimeError, NotImplementedError, ValueError):  # tensors without a plain storage
+        return id(t), 0 if is_lazy(t) else t.numel() * t.element_size()
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -80,33 +82,47 @@ class StateTracker:
         self.budget = budget
         self.optimizer = optimizer
         self._params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
-        self.params = tensor_bytes(self._params)
-        self._param_keys = frozenset(storage_key(p)[0] for p in self._params)
-        self._keys = len(self._param_keys)  # len(_saved) past it: activations were saved since the last free
+        self._lazy = any(map(is_lazy, self._params))  # a Lazy module's, made in its first forward: counted then
+        self._take_params()
         self.grads = 0
         self._has_grad: set[int] = set()
         self.optimizer_bytes = 0
         self._optimizer_entries = -1
         self.activations = 0
-        self._saved: set[int] = set(self._param_keys)
         self._inputs: set[int] = set()  # the storages of the step's batch: there before it, not its activations
         self.peak = 0
         self.counting = True  # the step under way counts its saved activations
         self._shape: tuple[Hashable, int] | None = None  # the counted step under way's shape
         self._started = 0.0
         self._counted: tuple[Any, int, float] = (None, 0, 0.0)  # (shape, peak, start) of the last counted step
-        on_grad = hidden_from_dynamo(self._on_grad)
-        # Only a budget needs to see each gradient appear (to raise inside backward where it is
-        # crossed); without one, counting them once after backward gives the same peak without a
-        # Python call per parameter per step (about 4 us each).
-        self._hooks = (
-            [p.register_post_accumulate_grad_hook(on_grad) for p in self._params if p.requires_grad]
-            if budget is not None
-            else []
-        )
+        self._hooks: list[Any] = []
+        self._hook_grads()
         self.sync_grads()
         self.optimizer_bytes = tensor_bytes(state_tensors(optimizer))
         self._optimizer_entries = len(optimizer.state)
+
+    def _take_params(self) -> None:
+        self.params = tensor_bytes(self._params)
+        self._param_keys = frozenset(storage_key(p)[0] for p in self._params)
+        self._keys = len(self._param_keys)  # len(_saved) past it: activations were saved since the last free
+        self._saved: set[int] = set(self._param_keys)
+
+    def _hook_grads(self) -> None:
+        """Only a budget needs to see each gradient appear (to raise inside backward where it is crossed);
+        without one, counting them once after backward gives the same peak without a Python call per
+        parameter per step (about 4 us each)."""
+        if self.budget is not None:
+            on_grad = hidden_from_dynamo(self._on_grad)
+            hooked = (p for p in self._params if p.requires_grad and not is_lazy(p))  # a lazy one: once made
+            self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
+
+    def _made(self) -> None:
+        """The Lazy modules' parameters are all made (their first forward ran): counted from this step on."""
+        self._lazy = False
+        for hook in self._hooks:
+            hook.remove()
+        self._take_params()
+        self._hook_grads()
 
     @property
     def total(self) -> int:
@@ -212,6 +228,8 @@ class StateTracker:
         caller knows (see the module doc); `inputs()`: its batch's tensors, whose storages (a data set
         the batch was sliced from, say) are not its activations (asked only of a step that counts).
         Decides whether this step counts them."""
+        if self._lazy and not any(map(is_lazy, self._params)):
+            self._made()
         now = time.monotonic()
         shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted

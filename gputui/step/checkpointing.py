@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import checkpoint
 
 
@@ -25,7 +26,7 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         children = list(module.children())
         if len(children) < 2 or any(type(c) is not type(children[0]) for c in children):
             continue
-        params = sum(p.numel() for p in module.parameters())
+        params = sum(p.numel() for p in module.parameters() if not is_lazy(p))  # a Lazy module's: not made yet
         if params > best_params:
             best, best_params = children, params
     return best

@@ -36,6 +36,35 @@ def test_counts_parameters_gradients_optimizer_state_exactly():
     t.close()
 
 
+@pytest.mark.parametrize("budget", [None, 10**6])
+def test_a_lazy_modules_parameters_count_once_made(budget):
+    """An optimizer made before a Lazy module's first forward (as PyTorch allows) holds parameters not
+    made yet: they count nothing until made, then as parameters (never as activations) from the next step."""
+    model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.LazyLinear(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = StateTracker(model, opt, budget)
+    assert t.params == 0
+    for _ in range(2):
+        t.start_step()
+        with t.saving():
+            loss = model(torch.randn(4, 8)).sum()
+        loss.backward()
+        t.end_micro_batch()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t.reset()
+    params = (8 * 32 + 32 + 32 * 2 + 2) * 4
+    assert t.params == params
+    t.start_step()
+    with t.saving():
+        loss = model(torch.randn(4, 8)).sum()
+    assert t.activations == (4 * 8 + 4 * 32) * 4  # the input and ReLU's output; the weights are parameters
+    loss.backward()
+    t.end_micro_batch()
+    assert t.grads == params
+    t.close()
+
+
 def test_views_of_one_storage_count_once():
     model = nn.Linear(4, 4)
     t = StateTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), None)

@@ -56,6 +56,21 @@ def test_epochs_over_a_shuffled_data_loader_match_the_plain_loop_and_leave_the_s
     assert torch.equal(torch.rand(3), plain_next)
 
 
+@pytest.mark.parametrize("budget", [None, "64MiB"])
+def test_a_lazy_module_whose_optimizer_was_made_before_its_first_forward_trains_as_the_plain_loop(budget):
+    def lazy():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.LazyLinear(5))
+
+    batches = conv_batches(4, 8)
+    ref, model = twins(lazy)
+    torch.manual_seed(1)  # the parameters are made (drawn) in the first forward
+    plain_loop(ref, batches, conv_step, sgd)
+    torch.manual_seed(1)
+    result = gputui.fit(model, batches, conv_step, sgd(model), memory_budget=budget, micro_batch=4)
+    assert_same_weights(model, ref)
+    assert result.steps == 4
+
+
 def test_one_step_gradient_equals_whole_batch_gradient():
     batch = conv_batches(1, 10)
     ref, model = twins(ConvNet)

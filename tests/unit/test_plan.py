@@ -335,6 +335,12 @@ def test_a_real_tensor_the_step_brings_is_traced_as_its_fake_and_one_that_requir
         plan.predict(model, optimizer, batch, lambda m, b: (m(b[0]) * scale).logsumexp(1).mean())
 
 
+def test_a_lazy_module_before_its_first_forward_is_untraceable_and_says_so():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(plan.Untraceable, match=r"parameters not made yet \(a Lazy module before its first forward\)"):
+        plan.predict(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 3), squares)
+
+
 def test_a_shape_that_depends_on_the_data_is_untraceable_and_the_estimate_says_why():
     torch.manual_seed(0)
     model = ShapedByItsData()
