@@ -50,6 +50,10 @@ _HANDLERS = {
 cycle, keeping the run's optimizer and model (their memory on the device) alive after fit() until a
 collection."""
 
+_CHANGES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover", "pause"})
+"""The controls refused once the run is stopping: no step would train with them, and the summary would
+report a setting no step used."""
+
 
 class Boundary:
     def __init__(
@@ -115,6 +119,8 @@ class Boundary:
 
     def _apply(self, control: Control) -> bool:
         """Apply one control; True if it changed something. Every request is answered by an event."""
+        if control.action in _CHANGES and (self.state.stop_reason or self.signalled()):
+            return self.session.refuse(control, "the run is stopping after this step")
         applied = self.session.apply(control)
         if applied is not None:
             return applied

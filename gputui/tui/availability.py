@@ -48,6 +48,8 @@ def why_not(view: RunView, action: str, watch_only: str | None) -> str | None:
     reason = cannot_send(view, key.control, watch_only)
     if reason or view.info is None:  # the run not started has a reason
         return reason
+    if view.stopping:
+        return "the run is stopping after this step"
     micro, s = micro_batch_once_applied(view), view.latest
     if micro is None or s is None:
         return None

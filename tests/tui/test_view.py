@@ -101,6 +101,9 @@ def test_why_not_says_why_a_key_cannot_act():
     assert why_not(v, "double_batch", None) == "the micro-batch already equals the global batch (16)"
     v = view(RunInfo(), sample(1, micro=1, batch=16))
     assert why_not(v, "halve_batch", None) == "the micro-batch is already 1"
+    v.stopping = True  # quit confirmed: no step would train with a change
+    assert why_not(v, "double_batch", None) == why_not(v, "cycle_amp", None) == "the run is stopping after this step"
+    assert why_not(v, "plan", None) is None  # its screen still shows the last plan
     v.apply(update(info=v.info, summary=RunSummary(steps=1)))
     assert why_not(v, "free_cache", None) == "training has ended"
 

@@ -159,3 +159,28 @@ def test_stop_while_paused(hub):
     on_event(hub, "paused", lambda: hub.controls.request("stop"))
     result = gputui.fit(model, conv_batches(3, 4), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
     assert result.stopped == "requested" and result.steps == 0
+
+
+def test_a_change_asked_after_a_stop_is_refused_and_the_summary_says_what_trained(hub):
+    """`q y b` within a step: the stop and the halving reach the same boundary. No step would train at the
+    halved micro-batch, so it is refused, and the run's end reports the micro-batch its steps used."""
+    model = ConvNet()
+
+    class Asked(RequestAt):
+        def on_sample(self, sample):
+            super().on_sample(sample)
+            if self.seen == self.n:
+                for action, value in [
+                    ("halve_batch", None),
+                    ("set_amp", "bf16"),
+                    ("pause", None),
+                    ("free_cache", None),
+                ]:
+                    self.hub.controls.request(action, value)
+
+    hub.add_sink(Asked(hub, 2, "stop"))
+    result = gputui.fit(model, conv_batches(5, 8), conv_step, torch.optim.SGD(model.parameters(), lr=0.01))
+    refused = [(e["action"], e["reason"]) for e in result.events if e.name == "control_refused"]
+    assert refused == [(a, "the run is stopping after this step") for a in ("halve_batch", "set_amp", "pause")]
+    assert [e.name for e in result.events if e.name != "control_refused"] == ["cache_freed", "stopped"]
+    assert result.stopped == "requested" and result.steps == 2 and result.micro_batch == 8 and result.amp == "off"
