@@ -36,12 +36,12 @@ def option(v: RunView, remedy: str) -> Mapping[str, Any] | None:
 def fresh(v: RunView) -> bool:
     """The plan was made for the settings the run has now (its "now" row's): a stale plan's predictions
     are no longer the keys' (each option's settings are absolute)."""
-    now, s = option(v, "now"), v.latest
+    now = option(v, "now")
     return (
         now is not None
-        and s is not None
+        and v.micro_batch is not None
         and (now.get("micro_batch"), now.get("amp"), now.get("checkpointing"))
-        == (s.micro_batch, s.amp, s.checkpointing)
+        == (v.micro_batch, v.amp, v.checkpointing)
     )
 
 

@@ -186,10 +186,10 @@ class RunView:
         elif e.name in ("amp_changed", "checkpointing_changed"):  # before the next step's record says it
             value = e["to"] if e.name == "amp_changed" else e["enabled"]
             self.changed[e.name[: -len("_changed")]] = (self.samples_seen, value)
-        elif e.name == "micro_batch_changed" and type(e["to"]) is int:
-            self.changed["micro_batch"] = (self.samples_seen, e["to"])
-        elif e.name in ("oom_recovered", "thrashing") and type(e["micro_batch_to"]) is int:
-            self.changed["micro_batch"] = (self.samples_seen, e["micro_batch_to"])
+        elif e.name in ("micro_batch_changed", "oom_recovered", "thrashing"):
+            size = e["to"] if e.name == "micro_batch_changed" else e["micro_batch_to"]
+            if type(size) is int and type(e["accumulation"]) is int:  # a job's record: checked before it is used
+                self.changed["pieces"] = (self.samples_seen, (size, e["accumulation"]))
         elif e.name == "rank_waiting":
             self.rank_waiting = e
         elif e.name == "oom" and e.get("waiting"):
@@ -302,9 +302,16 @@ class RunView:
         return bool(self._setting("checkpointing", now))
 
     @property
+    def pieces(self) -> tuple[int, int, int] | None:
+        """(micro-batch, accumulation, global batch) in use (None before the first step's record)."""
+        s = self.latest
+        if s is None:
+            return None
+        return (*self._setting("pieces", (s.micro_batch, s.accumulation)), s.batch_size)
+
+    @property
     def micro_batch(self) -> int | None:
-        """The micro-batch in use (None before the first step's record)."""
-        return self._setting("micro_batch", self.latest.micro_batch) if self.latest is not None else None
+        return self.pieces[0] if self.pieces else None
 
     def _setting(self, name: str, recorded: Any) -> Any:
         """A setting as the last step's record says it, or as a change applied after that record says it."""

@@ -1,6 +1,7 @@
 """RunView on plain samples and events: what the screen shows, without Textual or torch."""
 
 import pytest
+from fakes import MiB, plan_option
 from samples import step_sample
 
 from gputui.telemetry.controls import BATCH_NORM_FLOOR
@@ -8,6 +9,7 @@ from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, RankMemory
 from gputui.tui.availability import micro_batch_once_applied, why_not
 from gputui.tui.keys import KEYS
+from gputui.tui.planned import fresh
 from gputui.tui.sources import Update
 from gputui.tui.view import RunView
 
@@ -296,3 +298,21 @@ def test_the_batch_keys_count_on_from_the_halvings_and_doublings_asked_and_appli
         update(events=[Event("oom_recovered", 3, {**recovered, "micro_batch": 16, "micro_batch_to": 8})], info=v.info)
     )
     assert v.micro_batch == 8 and why_not(v, "double_batch", None) is None  # an OOM's replay halved it
+
+
+def test_a_batch_change_applied_while_no_step_runs_is_the_views_and_the_plans_made_for_it_are_fresh():
+    """Paused (or waiting after an OOM), a change is applied and no step's record follows: the remedies bar,
+    the keys and the planner's "stale" read the change's event, so a plan made for the new setting is fresh
+    and one made for the old is stale, said with the pieces as they add up."""
+    v = view(RunInfo(), sample(1, micro=32, batch=64))
+    plan = Event("plan", 1, {"options": [plan_option("now", "as now", 16, "off", False, 10 * MiB, 80 * MiB)]})
+    v.apply(update(events=[plan], info=v.info))
+    assert v.pieces == (32, 2, 64) and not fresh(v)
+    changed = Event("micro_batch_changed", 1, {"from": 32, "to": 16, "accumulation": 4})
+    v.apply(update(events=[changed, Event("paused", 1, {})], info=v.info))
+    assert v.pieces == (16, 4, 64) and fresh(v)
+    recovered = {"phase": "backward", "micro_batch": 16, "micro_batch_to": 11, "accumulation": 6, "batch_size": 64}
+    v.apply(update(events=[Event("oom_recovered", 1, recovered)], info=v.info))
+    assert v.pieces == (11, 6, 64) and not fresh(v)
+    v.apply(update(sample(2, micro=11, batch=64), info=v.info))  # the record: 11 x 6 by its own count
+    assert v.pieces == (11, 64 // 11, 64)

@@ -38,8 +38,8 @@ class RemediesBar(RunPanel):
         self.watch_only = watch_only
 
     def shows(self) -> Hashable:
-        v, s = self.view, self.view.latest
-        batch = (s.micro_batch, s.accumulation, s.batch_size) if s else None
+        v = self.view
+        batch = v.pieces
         dimmed = tuple(why_not(v, k.action, self.watch_only) for k in KEYS if k.control)
         return v.observed, batch, v.amp, v.checkpointing, v.auto_recover, len(v.pending), dimmed, v.plans
 
@@ -49,7 +49,7 @@ class RemediesBar(RunPanel):
         return Text("\n").join(short if len(short) < len(long) else long)
 
     def entries(self, *, long: bool) -> list[Text]:
-        v, s = self.view, self.view.latest
+        v, pieces_now = self.view, self.view.pieces
 
         def key(k: Key, label: str, style: str = "bold", keys: str | None = None) -> Text:
             dim = why_not(v, k.action, self.watch_only) is not None
@@ -71,12 +71,8 @@ class RemediesBar(RunPanel):
         else:
             mb, batch = "micro-batch" if long else "mb", f"{shown(HALVE)}/{shown(DOUBLE)}"
             entries = [
-                key(
-                    HALVE,
-                    f"{mb} {format_pieces(s.micro_batch, s.accumulation, s.batch_size, spaced=True)}",
-                    keys=batch,
-                )
-                if s
+                key(HALVE, f"{mb} {format_pieces(*pieces_now, spaced=True)}", keys=batch)
+                if pieces_now
                 else key(HALVE, f"{mb} –", "", keys=batch),
                 *self.predictions((HALVE, DOUBLE), long),
                 key(AMP, f"{AMP.called(long)} {v.amp or '–'}"),

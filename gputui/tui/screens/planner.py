@@ -12,7 +12,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from ...telemetry.describe import number
 from ...telemetry.sample import Event
-from ...units import format_bytes
+from ...units import format_bytes, format_pieces
 from ..availability import cannot_send
 from ..keys import for_remedy
 from ..messages import RequestControl
@@ -130,12 +130,11 @@ def plan_status(v: RunView, planning: bool, watch_only: str | None) -> Text:
             text.append(" · planning… more rows come at the next step boundaries", style="bold yellow")
         elif planning:
             text.append(" · planning again… the table follows when the run answers", style="bold yellow")
-        s = v.latest
-        if not fresh(v) and s is not None:
+        if not fresh(v) and v.pieces is not None:
+            checkpointing = "on" if v.checkpointing else "off"
+            now = f"micro-batch {format_pieces(*v.pieces, spaced=True)}, AMP {v.amp}, checkpointing {checkpointing}"
             text.append(
-                f"\nstale: made for other settings than the run's now (micro-batch {s.micro_batch} × "
-                f"{s.accumulation}, AMP {s.amp}, checkpointing {'on' if s.checkpointing else 'off'})"
-                + ("" if cannot else "; r plans again"),
+                f"\nstale: made for other settings than the run's now ({now})" + ("" if cannot else "; r plans again"),
                 style="bold yellow",
             )
     if cannot:
