@@ -125,6 +125,11 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def counted(n: int, noun: str) -> str:
+    """ "1 step", "2 steps", "0 OOMs": a count with its noun, plural unless one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_figure(value: float | None, unit: str, spec: str = "") -> str:
     """A reading with its unit ("61°C", "598 W" with spec ".0f"), or "n/a" where it is unknown
     (NVML would not say, a probe does not read it)."""

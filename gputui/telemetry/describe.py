@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..units import format_bytes, format_pieces
+from ..units import counted, format_bytes, format_pieces
 from .events import EVENTS
 from .sample import Event
 
@@ -194,8 +194,8 @@ _TEXT: dict[str, Callable[[Event], str]] = {
         + (f", micro-batch {e['micro_batch']}" if e.get("micro_batch") else "")
     ),
     "part_ended": lambda e: (
-        f"{'fit returned' if e['by'] == 'fit' else str(e['by']) + ' closed'} after {e['steps']} steps "
-        f"({e['samples']} samples)"
+        f"{'fit returned' if e['by'] == 'fit' else str(e['by']) + ' closed'} after {counted(e['steps'], 'step')} "
+        f"({counted(e['samples'], 'sample')})"
     ),
     "sink_failed": lambda e: e["message"],  # "metrics file X: <error>; no more lines will be written"
     "eval": _eval,

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TextIO
 
-from ..units import format_bytes, format_count, format_pieces
+from ..units import counted, format_bytes, format_count, format_pieces
 from .describe import describe
 from .hub import Hub, SinkFailed
 from .run import RunInfo, RunSummary
@@ -169,10 +169,11 @@ class ProgressLine:
 def summary_line(summary: RunSummary) -> str:
     """How a fit run ended: headless prints it then, the TUI when it closes (closing_lines)."""
     loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"
-    recovered = f", {summary.ooms_recovered} OOM(s) recovered" if summary.ooms_recovered else ""
+    recovered = f", {counted(summary.ooms_recovered, 'OOM')} recovered" if summary.ooms_recovered else ""
     how = f"stopped ({summary.stopped})" if summary.stopped else "failed" if summary.error else "done"
     return (
-        f"gputui: {how}: {summary.steps} steps, {summary.samples} samples in {summary.elapsed_s:.1f}s; "
+        f"gputui: {how}: {counted(summary.steps, 'step')}, {counted(summary.samples, 'sample')} in "
+        f"{summary.elapsed_s:.1f}s; "
         f"last loss {loss}; micro-batch {summary.micro_batch}, amp {summary.amp}, "
         f"checkpointing {'on' if summary.checkpointing else 'off'}{recovered}"
     )

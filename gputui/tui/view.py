@@ -142,6 +142,7 @@ class RunView:
         if update.summary is not None and self.summary is None:
             self.summary = update.summary
             self.ended = self.ended or self.clock()
+            self.pending.clear()  # a stop is answered by the run's end, and nothing after it will be
             changed = True  # the run ended: the header's status, the charts drawn whole
         if update.gpus is not self.gpus:
             self.gpus = update.gpus

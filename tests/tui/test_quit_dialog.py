@@ -2,7 +2,7 @@
 loop gets a KeyboardInterrupt."""
 
 from conftest import until
-from textual.widgets import Label
+from textual.widgets import Button, Label
 
 from gputui.tui.screens import ConfirmQuit
 
@@ -46,4 +46,16 @@ async def test_asked_before_the_run_starts_the_dialog_says_so_then_what_fit_does
         go.touch()
         await until(pilot, lambda: "your save happens" in asked(app))  # the open dialog follows the run
         assert asked(app).startswith("Training is running. Stop after the current step and quit?")
+        await pilot.press("n")
+
+
+async def test_a_paused_run_is_asked_about_as_paused(make_app, hub):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.view.latest is not None)
+        await pilot.press("p")
+        await until(pilot, lambda: app.view.paused)
+        await pilot.press("q")
+        assert asked(app).startswith("Training is paused. Stop it and quit?")
+        assert str(app.screen.query_one("#no", Button).label) == "[n] keep it paused"
         await pilot.press("n")

@@ -176,6 +176,9 @@ def test_event_lines_of_the_timeline():
     assert lines[2][2].endswith("applied after step 3, 12 ms after the request")
     assert lines[1][0] == "refused" and "fp16 needs CUDA" in lines[1][2] and not lines[1][2].startswith("✓")
     assert lines[0][:2] == ("oom", 4)
+    v.requested(9, "stop")  # answered by the run's end, which no event names
+    v.apply(update(info=v.info, summary=RunSummary(steps=4, stopped="requested")))
+    assert not v.pending
 
 
 def test_a_reconnection_starts_the_view_over_with_the_jobs_history():

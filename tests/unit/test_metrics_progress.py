@@ -265,9 +265,11 @@ def test_closing_lines_say_how_each_fit_run_ended_and_what_was_saved(hub, tmp_pa
     gputui.save({"w": torch.ones(4)}, path)
     assert closing_lines(hub) == [
         "gputui: stopped (requested): 5 steps, 80 samples in 2.0s; last loss 0.5; micro-batch 8, amp bf16, "
-        "checkpointing on, 1 OOM(s) recovered",
+        "checkpointing on, 1 OOM recovered",
         f"gputui: saved {path} ({format_bytes(path.stat().st_size)})",
     ]
+    one = summary_line(RunSummary(steps=1, samples=1, micro_batch=1, ooms_recovered=2, stopped="requested"))
+    assert one.startswith("gputui: stopped (requested): 1 step, 1 sample in ") and one.endswith(", 2 OOMs recovered")
 
 
 def test_a_metrics_file_has_each_step_while_training_goes_on_and_every_line_in_order(hub, tmp_path):

@@ -38,12 +38,16 @@ class ConfirmQuit(ModalScreen[bool]):
             yield Label(self._text(), id="confirm-text")
             with Horizontal(id="confirm-buttons"):
                 yield Button(Text("[y] stop and quit"), id="yes", variant="error")
-                yield Button(Text("[n] keep training"), id="no", variant="primary")
+                yield Button(self._keep(), id="no", variant="primary")
+
+    def _keep(self) -> Text:
+        return Text("[n] keep it paused" if self.view.paused else "[n] keep training")
 
     def update(self) -> None:
         """Called by the app after each pull while this screen is on top."""
         if self.is_mounted:
             self.query_one("#confirm-text", Label).update(self._text())
+            self.query_one("#no", Button).label = self._keep()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
@@ -95,6 +99,12 @@ def stop_effect(v: RunView) -> tuple[str, str]:
             "The script's own loop is training. Stop it and quit?",
             "the script gets a KeyboardInterrupt after its next optimizer step: the code after its loop, "
             "a save there, does not run unless it catches it",
+        )
+    if v.paused:
+        return (
+            "Training is paused. Stop it and quit?",
+            "the script goes on from the paused step, where fit() returns or a Trainer loop sees result.stopped: "
+            "your save happens",
         )
     return (
         "Training is running. Stop after the current step and quit?",
