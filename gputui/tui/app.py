@@ -101,7 +101,7 @@ class MainScreen(Screen[None]):
             GpuLine(v, id="gpus"),
             RanksPanel(v, id="ranks"),
         )
-        self._top = (HeaderBar(v, id="header"), MemoryPanel(v, id="memory"), LossPanel(v, id="loss"))
+        self._top = (HeaderBar(v, source.watch_only, id="header"), MemoryPanel(v, id="memory"), LossPanel(v, id="loss"))
         self._middle = (RemediesBar(v, source.watch_only, id="remedies"), Timeline(v, id="timeline"))
         # Kept, not queried: a pull a few times a second walks no DOM.
         self.panels: list[Panel] = [*self._top, self.ranks, *self._middle, self.log_panel, self.gpu_line]
@@ -173,6 +173,7 @@ class GputuiApp(App[int]):
         self.script_code: int | None = None  # the script's exit code, once it has ended
         self._thread: threading.Thread | None = None
         self._quitting = False
+        self._warned_paused = False
         self._oom_shown: Event | None = None
         self._availability: tuple[str | None, ...] = ()
         self.main = MainScreen(self.view, source, self.output)
@@ -333,7 +334,7 @@ class GputuiApp(App[int]):
         self.push_screen(LogScreen(self.output))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(attached=self.view.remote))
 
     def _oom_choice(self, choice: str | None) -> None:
         if not choice:
@@ -343,6 +344,11 @@ class GputuiApp(App[int]):
 
     # -- leaving ---------------------------------------------------------------------------------
     def action_quit(self) -> None:  # type: ignore[override]
+        if self.view.remote and self.view.paused and self.view.training and not self.source.watch_only:
+            if not self._warned_paused:  # an attached screen leaves; the job it paused would wait for no one
+                self._warned_paused = True
+                self.notify("the job stays paused after you leave: p resumes it; q again leaves", severity="warning")
+                return
         if self._quitting or not self._script_running():
             self._leave()
         else:

@@ -1,11 +1,13 @@
 """The app on a job in 'another process' (a server in this one): watch-only keys, control, the end."""
 
+import io
 import os
 import threading
 import time
 
 import pytest
 from conftest import text, until
+from rich.console import Console
 from samples import step_sample
 
 from gputui.telemetry.client import Mirror
@@ -55,6 +57,8 @@ def job(tmp_path, monkeypatch, request):
                         )
                     )
                     micro //= 2
+                elif control.action == "pause":
+                    hub.emit(Event("paused", step, {"request_id": control.id}))
             step += 1
             hub.publish(
                 step_sample(
@@ -97,12 +101,16 @@ async def test_watch_only_attach_shows_the_job_and_dims_the_remedies(job):
     app.notify = lambda message, **kw: (said.append(message), notify(message, **kw))
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: app.view.latest is not None and app.view.latest.step > 3)
-        assert "train.py · pid 4242" in text(app, "#header")
+        assert "train.py · pid 4242 │ watch-only │ training" in text(app, "#header")
         assert not app.main.query_one("#ranks").display  # one process: no ranks
         assert app.check_action("halve_batch", ()) is None
         await pilot.press("b")
         await pilot.pause(0.2)
         assert said == ["watch-only: attach with --control to steer"] and len(hub.controls) == 0
+        await pilot.press("w")  # the planner shows what the job sent, and offers no r to ask again
+        await until(pilot, lambda: app.screen.id != "_default" and "escape" in app.active_bindings)
+        assert "r" not in app.active_bindings
+        await pilot.press("escape")
         stop.set()  # the job ends: its final state stays on screen
         await until(pilot, lambda: mirror.hub.summary is not None)
         server.close()
@@ -120,6 +128,21 @@ async def test_control_attach_steers_the_job(job):
         await until(pilot, lambda: "micro-batch 32 × 2 = 64" in text(app, "#remedies"))
         assert "✓ micro-batch 64 -> 32" in text(app, "#timeline")
         assert not app.view.pending
+        assert "train.py · pid 4242 │ steering │ training" in text(app, "#header")
+        await pilot.press("question_mark")
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(app.screen.query_one("#help-text").content)
+        helped = [line.strip().split(None, 1) for line in console.export_text().splitlines() if line.strip()]
+        assert ["q", "Leave this screen; the job trains on (gputui attach again to come back)."] in helped
+        assert ["ctrl+c", "Leave this screen; the job trains on (gputui attach again to come back)."] in helped
+        await pilot.press("escape")
+        await pilot.press("p")  # paused from here, then q: the job would wait for no one
+        await until(pilot, lambda: app.view.paused)
+        await pilot.press("q")
+        await pilot.pause(0.1)
+        assert app.is_running and any("stays paused" in n.message for n in app._notifications)
+        await pilot.press("q")  # told: it leaves
+        await until(pilot, lambda: not app.is_running)
     mirror.stop()
 
 

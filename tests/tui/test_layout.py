@@ -133,7 +133,8 @@ async def test_a_torchrun_rank_says_which_it_is(size, remote):
     screen = await shown(rank, size, remote=remote)
     assert_whole(screen)
     header = screen["header"]
-    assert "│ rank 1 of 2 │ training" in header and "…" not in header, header  # kept whole, whatever goes first
+    mode = "│ steering " if remote and size[0] >= 120 else ""  # an attached screen's, where there is room
+    assert f"│ rank 1 of 2 {mode}│ training" in header and "…" not in header, header  # kept whole, whatever goes first
     assert ("ddp.py · pid 4242" if remote else "train.py") in header, header
     if size[0] == 160 or (size[0] == 120 and not remote):  # beside the device where the line has room for it
         assert "│ H100 80GB HBM3 │ rank 1 of 2 │" in header, header

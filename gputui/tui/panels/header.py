@@ -8,11 +8,13 @@ from rich.text import Text
 
 from ...units import format_duration
 from ..chart import Row
+from ..view import RunView
 from .base import LinePanel
 
 
 class HeaderBar(LinePanel):
-    """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...)."""
+    """One line; on a narrow terminal the least needed parts go first (device, elapsed, ETA...). An
+    attached screen says whether it watches or steers: the same keys do nothing or change the job."""
 
     STATUS_STYLES = {
         "training": "bold green",
@@ -21,6 +23,10 @@ class HeaderBar(LinePanel):
         "paused": "bold yellow",
         "stopping": "bold yellow",
     }
+
+    def __init__(self, view: RunView, watch_only: str | None, *, id: str | None = None) -> None:
+        super().__init__(view, id=id)
+        self.watch_only = watch_only
 
     def parts(self) -> list[tuple[int, str, str]]:
         """(priority: lower survives longer, text, style), in display order, cut to the width."""
@@ -35,6 +41,10 @@ class HeaderBar(LinePanel):
         ]
         if v.rank is not None:  # each torchrun rank is its own run (and socket): which one this is stays
             parts.append((0, f"│ rank {v.rank[0]} of {v.rank[1]} ", ""))
+        if v.remote:
+            parts.append(
+                (2, "│ watch-only " if self.watch_only else "│ steering ", "dim" if self.watch_only else "bold magenta")
+            )
         parts += [
             (0, "│ ", ""),
             (0, status, "bold red" if status.startswith("waiting for") else self.STATUS_STYLES.get(status, "bold")),

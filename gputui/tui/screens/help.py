@@ -15,15 +15,22 @@ from .base import Overlay
 
 
 class HelpScreen(Overlay):
+    """`attached`: the screen of `gputui attach`, whose q and ctrl+c leave it and the job trains on."""
+
     BINDINGS = [*Overlay.BINDINGS, Binding("question_mark", "dismiss", "back", show=False)]
+
+    def __init__(self, *, attached: bool = False) -> None:
+        super().__init__()
+        self.attached = attached
 
     def compose(self) -> ComposeResult:
         keys = Table.grid(padding=(0, 2))
         keys.add_column(style="bold", no_wrap=True)
         keys.add_column()
+        leave = "Leave this screen; the job trains on (gputui attach again to come back)."
         for k in KEYS:
-            keys.add_row(shown(k), k.help)
-        keys.add_row("ctrl+c", "Stop after the current step, then quit (twice: quit now).")
+            keys.add_row(shown(k), leave if self.attached and k.action == "quit" else k.help)
+        keys.add_row("ctrl+c", leave if self.attached else "Stop after the current step, then quit (twice: quit now).")
         keys.add_row("ctrl+p", "Command palette: every action above, searchable.")
         panels = Text.from_markup(
             "[b]Memory[/b]: the bar is the capacity, what this process can have (CUDA: the device's free "

@@ -57,6 +57,10 @@ class PlannerScreen(Overlay):
     def on_mount(self) -> None:
         self.ask(quiet=True)  # the first update is the Overlay's (its on_mount runs too)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """r is not offered to a watch-only screen, which can never ask."""
+        return not (action == "ask" and self.watch_only)
+
     def action_ask(self) -> None:
         self.ask(quiet=False)
 
