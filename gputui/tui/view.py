@@ -366,7 +366,7 @@ class RunView:
 
     @property
     def eta(self) -> float | None:
-        if self.rank_waiting is not None:  # no rate while the job waits for a rank
+        if self.status != "training":  # no rate while paused, waiting (an OOM, a rank), stopping or gone
             return None
         total, s = self.total_steps, self.latest
         if not total or s is None or not s.samples_per_s or not s.batch_size or not self.training:

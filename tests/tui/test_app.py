@@ -132,6 +132,7 @@ async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
         await pilot.press("p")
         await until(pilot, lambda: "paused" in names(hub))
         await until(pilot, lambda: "│ paused" in text(app, "#header"))
+        assert "samples/s" not in text(app, "#header") and "ETA" not in text(app, "#header")  # nothing trains
         step = hub.latest().step
         await pilot.pause(0.3)
         assert hub.latest().step == step

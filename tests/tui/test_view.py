@@ -144,6 +144,10 @@ def test_loss_series_and_throughput():
     assert v.series.allocated.values == [1000, 2000, 3000]
     assert v.first.step == 1 and v.latest.step == 3 and v.samples_seen == 3
     assert v.eta == pytest.approx((100 - 3) * 8 / 40.0)  # steps left, at the latest rate
+    v.apply(update(events=[Event("paused", 3, {})], info=v.info))
+    assert v.eta is None  # no time left is counted while nothing trains
+    v.apply(update(events=[Event("resumed", 3, {})], info=v.info))
+    assert v.eta is not None
     v.apply(update(sample(4, rate=None), info=v.info))
     assert v.eta is None
 

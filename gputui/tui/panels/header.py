@@ -54,7 +54,9 @@ class HeaderBar(LinePanel):
             parts.append((1, f" │ step {s.step}" + (f"/{total}" if total else ""), ""))
             if not v.observed or s.epoch:  # an own loop's, once a pass of its data ended
                 parts.append((4, f" · epoch {s.epoch + 1}" + (f"/{epochs}" if epochs else ""), ""))
-            if s.samples_per_s:
+            if status not in ("training", "stopping"):  # paused, waiting, ended, gone: no speed to show
+                pass
+            elif s.samples_per_s:
                 parts.append((2, f" │ {s.samples_per_s:,.0f} samples/s", ""))
             elif s.steps_per_s:
                 parts.append((2, f" │ {s.steps_per_s:,.1f} steps/s", ""))
