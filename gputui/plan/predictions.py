@@ -38,7 +38,9 @@ class NoPrediction(Exception):
 class Predictions:
     """The predictions of one run's step. `fit_at`: the share of a capacity a peak fits below. `turned_off`
     is told why once a trace left what cannot be taken back: no step is traced after it. `deadline`: while
-    set, a prediction not made by then raises Later."""
+    set, a prediction not made by then raises Later, and so does a trace past the first since it was set that
+    the last trace's time says would end after it (one trace of a large model can take longer than a
+    boundary's share: then a boundary holds the step for one trace, not for several)."""
 
     def __init__(
         self,
@@ -61,7 +63,9 @@ class Predictions:
         self.off: str | None = None  # why planning stopped for this run
         self.correction = 0
         self.measured: int | None = None
-        self.deadline: float | None = None
+        self._deadline: float | None = None
+        self._traced = 0  # traces since the deadline was set
+        self._trace_s = 0.0  # how long the last trace took
         self._cache: dict[tuple[Setting, Hashable, int], Prediction] = {}
         self._untraceable: dict[tuple[str, bool], str] = {}  # (amp, checkpointing) whose step cannot be traced
         self._breakdown: dict[str, int] | None = None  # a measured step's, for estimates
@@ -107,11 +111,13 @@ class Predictions:
         found = self._cache.get(key)
         if found is not None:
             return found
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        deadline = self._deadline
+        if deadline is not None and time.monotonic() + (self._trace_s if self._traced else 0.0) > deadline:
             raise Later
         prediction = None
         mode = (setting.amp, setting.checkpointing)  # a step may trace as one and not as another
         if mode not in self._untraceable and self.off is None:
+            started = time.monotonic()
             try:
                 prediction = trace.predict(
                     self.model,
@@ -132,6 +138,7 @@ class Predictions:
                 self.turned_off(self.off)
             except Exception as exc:  # the model's code on fake tensors: whatever it raises, training goes on
                 self._untraceable[mode] = f"the step cannot be traced ({line(exc)})"
+            self._trace_s, self._traced = time.monotonic() - started, self._traced + 1
         if prediction is None:
             if self._breakdown is None or self._measured_setting is None:
                 return None
@@ -149,6 +156,14 @@ class Predictions:
             )
         self._cache[key] = prediction
         return prediction
+
+    @property
+    def deadline(self) -> float | None:
+        return self._deadline
+
+    @deadline.setter
+    def deadline(self, at: float | None) -> None:
+        self._deadline, self._traced = at, 0
 
     def held_state(self) -> dict[str, int]:
         """Parameters, their gradients and the optimizer's state as the device's allocator holds them, each

@@ -1,6 +1,7 @@
 """fit's planner: recovery that picks the micro-batch that fits, micro_batch="auto", and the plan table."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -341,3 +342,35 @@ def test_an_estimate_from_a_reading_with_totals_only_keeps_the_training_state_fi
     measured = [s.memory.peak for s in hub.samples() if s.step == 2][0]
     assert now["breakdown"]["activations"] == measured - 2 * params - state
     assert halve["breakdown"]["activations"] == now["breakdown"]["activations"] // 2
+
+
+def test_a_boundary_starts_no_trace_that_would_end_past_its_share(monkeypatch):
+    """Traces of 0.3 s and a boundary's 0.5 s: the first is made, the second would end at 0.6 s and waits
+    for the next boundary (it began before 0.5 s and held the step until 0.6 s); the next boundary makes it."""
+    from gputui.plan import trace
+    from gputui.plan.predictions import Later, Predictions
+    from gputui.plan.table import Setting
+
+    made = []
+    monkeypatch.setattr(trace, "predict", lambda *a, micro_batch, **k: made.append(micro_batch) or time.sleep(0.3) or 1)
+    model = nn.Linear(4, 2)
+    predictions = Predictions(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        step,
+        torch.device("cpu"),
+        tracked=True,
+        fit_at=0.9,
+        checkpoint_modules=None,
+        blocks=0,
+        floor=1,
+        turned_off=lambda why: None,
+    )
+    batch = (torch.randn(8, 4), torch.randint(2, (8,)))
+    predictions.deadline = time.monotonic() + 0.5
+    predictions.get(Setting(8, "off", False), batch, "shapes")
+    with pytest.raises(Later):
+        predictions.get(Setting(4, "off", False), batch, "shapes")
+    predictions.deadline = time.monotonic() + 0.5  # the next boundary's share
+    predictions.get(Setting(4, "off", False), batch, "shapes")
+    assert made == [8, 4]
