@@ -283,9 +283,12 @@ class Mirror:
         summary = self.hub.summary
         if summary is None:
             return "the job is gone without a final record (killed?): the last figures it sent are shown"
-        if summary.error:
+        outcome = summary.outcome
+        if outcome == "failed":
             return f"the job failed: {summary.error}"
-        return "the job finished" + (f" ({summary.stopped})" if summary.stopped else "")
+        if outcome == "interrupted":
+            return "the job was interrupted at once (a second Ctrl-C)"
+        return f"the job {outcome}" + (f" ({summary.stopped})" if outcome == "stopped" else "")
 
     def _receive(self, conn: Connection) -> None:
         hub = Hub()

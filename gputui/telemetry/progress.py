@@ -170,7 +170,9 @@ def summary_line(summary: RunSummary) -> str:
     """How a fit run ended: headless prints it then, the TUI when it closes (closing_lines)."""
     loss = "n/a" if summary.loss is None else f"{summary.loss:.4g}"
     recovered = f", {counted(summary.ooms_recovered, 'OOM')} recovered" if summary.ooms_recovered else ""
-    how = f"stopped ({summary.stopped})" if summary.stopped else "failed" if summary.error else "done"
+    how = {"stopped": f"stopped ({summary.stopped})", "finished": "done", "interrupted": "interrupted at once"}.get(
+        summary.outcome, summary.outcome
+    )
     return (
         f"gputui: {how}: {counted(summary.steps, 'step')}, {counted(summary.samples, 'sample')} in "
         f"{summary.elapsed_s:.1f}s; "

@@ -174,8 +174,11 @@ class RunSummary:
 
     @property
     def outcome(self) -> str:
-        """One word for how it ended: failed, stopped or finished."""
-        return "failed" if self.error else "stopped" if self.stopped else "finished"
+        """One word for how it ended: interrupted (a KeyboardInterrupt out of a step: a second Ctrl-C, a
+        notebook's interrupt), failed, stopped or finished."""
+        if self.error:
+            return "interrupted" if self.error.startswith("KeyboardInterrupt") else "failed"
+        return "stopped" if self.stopped else "finished"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "loss": finite(self.loss)}

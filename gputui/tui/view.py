@@ -332,10 +332,12 @@ class RunView:
     def status(self) -> str:
         if self.banner:
             return self.banner
-        if self.failure or (self.summary and self.summary.error):
+        if self.failure:
             return "failed"
-        if self.exit_code is not None or self.summary is not None:
-            return "stopped" if self.summary and self.summary.stopped else "finished"
+        if self.summary is not None:
+            return self.summary.outcome
+        if self.exit_code is not None:
+            return "finished"
         if self.info is None:
             return "starting"
         if self.waiting_oom is not None:

@@ -114,7 +114,7 @@ async def test_watch_only_attach_shows_the_job_and_dims_the_remedies(job):
         stop.set()  # the job ends: its final state stays on screen
         await until(pilot, lambda: mirror.hub.summary is not None)
         server.close()
-        await until(pilot, lambda: "the job finished (requested)" in text(app, "#header"))
+        await until(pilot, lambda: "the job stopped (requested)" in text(app, "#header"))
         assert len(app.view.series.loss) > 3
     mirror.stop()
 

@@ -14,6 +14,7 @@ from gputui.telemetry import protocol
 from gputui.telemetry.client import Connection, Mirror
 from gputui.telemetry.hub import Hub
 from gputui.telemetry.paths import Job, UnsafeDirectory, socket_dir
+from gputui.telemetry.progress import summary_line
 from gputui.telemetry.run import RunInfo, RunSummary
 from gputui.telemetry.sample import Event, Memory, StepRecord
 from gputui.telemetry.server import TelemetryServer, serve
@@ -217,6 +218,29 @@ def test_mirror_replays_the_job_and_tells_when_it_ended(served):
     server.close()
     until(lambda: mirror.ended)
     assert mirror.status == "the job finished"
+
+
+@pytest.mark.parametrize(
+    ("summary", "outcome", "said"),
+    [
+        (RunSummary(steps=2), "finished", "the job finished"),
+        (RunSummary(stopped="requested"), "stopped", "the job stopped (requested)"),
+        (
+            RunSummary(stopped="interrupted", error="KeyboardInterrupt: "),
+            "interrupted",
+            "the job was interrupted at once",
+        ),
+        (RunSummary(stopped="requested", error="ValueError: bad"), "failed", "the job failed: ValueError: bad"),
+    ],
+)
+def test_how_a_run_ended_is_one_word_and_one_line(summary, outcome, said):
+    """A second Ctrl-C (a KeyboardInterrupt out of a step) is an interruption, not a failure of the script:
+    the summary line, `gputui jobs` and an attached screen say so."""
+    mirror = Mirror("unused", None)
+    mirror.hub.end(summary)
+    assert summary.outcome == outcome and mirror.status_when_gone().startswith(said)
+    line = summary_line(summary)
+    assert line.startswith(f"gputui: {dict(finished='done', interrupted='interrupted at once').get(outcome, outcome)}")
 
 
 def test_deeply_nested_json_is_refused_like_any_malformed_line(served, capfd):

@@ -22,6 +22,7 @@ class HeaderBar(LinePanel):
         "OOM: waiting": "bold red",
         "paused": "bold yellow",
         "stopping": "bold yellow",
+        "interrupted": "bold yellow",
     }
 
     def __init__(self, view: RunView, watch_only: str | None, *, id: str | None = None) -> None:
