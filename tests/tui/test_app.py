@@ -219,6 +219,10 @@ async def test_oom_dialog_when_auto_recover_is_off(make_app, hub):
         assert "OOM: waiting" in text(app, "#header")
         # the run plans while it waits: each remedy's predicted step peak comes into the dialog
         await until(pilot, lambda: "[b] 32 × 2" in "".join(str(w.render()) for w in app.screen.query("#oom-plan")))
+        await pilot.press("q")  # as on the main screen: it asks (it was ignored here)
+        await until(pilot, lambda: isinstance(app.screen, ConfirmQuit))
+        await pilot.press("n")
+        await until(pilot, lambda: isinstance(app.screen, OomScreen))
         await pilot.press("b")
         await until(pilot, lambda: "resumed" in names(hub))
         assert [e for e in hub.events() if e.name == "micro_batch_changed"][0]["to"] == 32

@@ -238,8 +238,8 @@ async def test_the_oom_dialog_shows_each_remedys_predicted_peak_once_the_run_has
         source.push(events=[plan_event(capacity=20 * GiB, trigger="oom")])
         await until(pilot, lambda: "Predicted step peak" in dialog_text(app))
         assert dialog_text(app).replace("\n", " ") == (
-            "Predicted step peak of 20.0 GiB: [b] 16 × 4 8.20 GiB ✓ · [c] ckpt 6.30 GiB ✓ · [r] as is 14.1 GiB ✓ · "
-            "best fit 64x1 ckpt 11.9 GiB ✓"
+            "Predicted step peaks (capacity 20.0 GiB): [b] 16 × 4 8.20 GiB ✓ · [c] ckpt 6.30 GiB ✓ · "
+            "[r] as is 14.1 GiB ✓ · best fit 64x1 ckpt 11.9 GiB ✓"
         )  # no [a] bf16: the run is on bf16 already
 
 

@@ -29,6 +29,7 @@ class OomScreen(ModalScreen[str | None]):
         Binding("r", "pick('resume')", "retry"),
         Binding("x", "pick('stop')", "stop"),
         Binding("escape", "pick('')", "later"),
+        Binding("q", "app.quit", "quit", show=False),  # as on the main screen: asks, then stops
     ]
 
     def __init__(self, view: RunView, why_not: dict[str, str | None]) -> None:
@@ -124,7 +125,7 @@ def oom_predictions(v: RunView, cannot_plan: str | None) -> Text:
     if now is None:
         return text.append("The planner has no prediction for this step.", style="dim")
     capacity = number(plan.get("capacity"))
-    text.append(f"Predicted step peak{f' of {format_bytes(capacity)}' if capacity else ''}:", style="bold")
+    text.append(f"Predicted step peaks{f' (capacity {format_bytes(capacity)})' if capacity else ''}:", style="bold")
     amp = next((o for o in options(v) if o.get("remedy") == "amp" and o.get("amp") == "bf16"), None)
     checkpointing = option(v, "checkpointing")
     best = option(v, "best")
