@@ -57,6 +57,7 @@ class Observer:
         self._printed: tuple[float, str] | None = None
         self.batches = Fetched()
         self._backwards = 0
+        self._claimed = 0  # the losses before another optimizer's step: its (a GAN's other model's)
         self._started = False
         self.fitting = False  # gputui.fit runs: it owns the loop, the observer stands aside (aside.py)
         self.stop_reason: str | None = None  # why gputui stopped the script (a signal, a request)
@@ -168,7 +169,10 @@ class Observer:
             self.phase = "optimizer"
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer is not self.optimizer or self.fitting:
+        if self.fitting:
+            return
+        if optimizer is not self.optimizer:  # the backward()s before it were its own, unless ours steps next
+            self._claimed = len(self._losses)
             return
         session = self._follow()
         self.phase = None
@@ -179,11 +183,14 @@ class Observer:
         session.steps += 1
         batch, epoch = self.batches.take()
         session.samples += batch
-        if self._losses:
-            self.loss, self.loss_source = self._read_losses(), "backward()"
+        # A GAN's discriminator and generator each step their own optimizer after their own backward(): the
+        # losses since the other's step are this step's; none since (both step after one backward): all.
+        losses = self._losses[self._claimed :] or self._losses
+        if losses:
+            self.loss, self.loss_source = self._read_losses(losses), "backward()"
         elif self._printed is not None:
             self.loss, self.loss_source = self._printed
-        accumulation, self._losses, self._backwards = max(1, self._backwards), [], 0
+        accumulation, self._losses, self._backwards, self._claimed = max(1, len(losses)), [], 0, 0
         self.unscaled.clear()  # scaled losses never backpropagated (or passed in a list) end here
         session.publish(
             time.time(),
@@ -199,11 +206,11 @@ class Observer:
         self._start_step()
         self._boundary()
 
-    def _read_losses(self) -> float | None:
+    def _read_losses(self, losses: list[torch.Tensor]) -> float | None:
         """The step's backward() losses, summed where they are and read as fit reads its loss
         (engine/deferred.py): on CUDA a step late, never waiting for the device."""
-        device = self._losses[0].device
-        total = torch.stack([t.float().sum().to(device) for t in self._losses]).sum()
+        device = losses[0].device
+        total = torch.stack([t.float().sum().to(device) for t in losses]).sum()
         if self._reader is None or self._reader[0] != device.type:
             self._reader = device.type, DeferredLoss.for_device(device)
         return self._reader[1].put(total)

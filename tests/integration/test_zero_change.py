@@ -150,6 +150,44 @@ def test_own_loop_runs_unchanged_and_its_losses_are_recorded(tmp_path, name):
         assert json.loads(metrics.read_text().splitlines()[-1])["epochs"] == done
 
 
+GAN = """
+import json, sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+made = {}
+for k in (sys.argv[1], "G" if sys.argv[1] == "D" else "D"):  # the optimizer made first is the one watched
+    made[k] = torch.optim.Adam((D if k == "D" else G).parameters(), lr=1e-3)
+optD, optG = made["D"], made["G"]
+bce = nn.BCEWithLogitsLoss()
+computed = {"D": [], "G": []}
+for it in range(6):
+    real, fake = torch.randn(16, 2) * 0.5 + 2, G(torch.randn(16, 8))
+    optD.zero_grad()
+    lossD = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+    lossD.backward(); optD.step()
+    optG.zero_grad(); lossG = bce(D(fake), torch.ones(16, 1)); lossG.backward(); optG.step()
+    computed["D"].append(lossD.item()); computed["G"].append(lossG.item())
+json.dump(computed, open("computed.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("first", ["D", "G"])
+def test_two_models_each_stepping_its_own_optimizer_record_the_watched_ones_losses(tmp_path, first):
+    """A GAN: the discriminator and the generator each backward their own loss and step their own optimizer.
+    gputui watches the optimizer made first; each of its steps records its own loss, not the other's
+    before it (a step's loss was lossD(t) + lossG(t-1), its accumulation 2)."""
+    metrics = tmp_path / "m.jsonl"
+    ours, folder = run(tmp_path, "gan", GAN, [first], ["--metrics", str(metrics)])
+    assert ours.returncode == 0, ours.stderr
+    computed = json.loads((folder / "computed.json").read_text())[first]
+    steps = steps_of(metrics)
+    assert [s["loss"] for s in steps] == pytest.approx(computed, rel=1e-6)
+    assert {s["accumulation"] for s in steps} == {1}
+
+
 EPOCHS = {  # name: (each step's epoch, from 0; the epochs completed)
     "tqdm": ([0] * 10 + [1] * 10, 2),
     "every_n": ([0] * 10, 1),
