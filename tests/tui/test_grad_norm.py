@@ -45,3 +45,20 @@ async def test_fits_norm_shows_after_steps(make_app, hub):
         await until(pilot, lambda: "grad norm" in text(app, "#loss"))
         assert "clip 1" in text(app, "#loss")
         assert app.view.latest.grad_norm > 0
+
+
+async def test_a_norm_measured_for_part_of_the_run_is_drawn_under_its_steps_and_said_as_the_last():
+    """Measured at steps 41-50 of 80 (fp16's scaler for a while): its chart has points under those steps
+    only, not the ten stretched over the run; the figure says the last was measured at step 50."""
+    samples = [replace(cuda_sample(s), grad_norm=2.0 if 41 <= s <= 50 else None) for s in range(1, 81)]
+    source = FakeSource(samples, [], info("cuda:0", "NVIDIA H100 80GB HBM3"), GPUS)
+    app = GputuiApp(source, script="train.py", clock=FrozenClock(), refresh=1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        lines = text(app, "#loss").splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("grad norm"))
+    assert lines[at].split("  ")[0] == "grad norm 2 @ 50"
+    chart = lines[at + 1 : -1]
+    drawn = [i for i, c in enumerate(chart[0]) if c not in " ⠀" and i > 8]  # past the axis labels
+    width = len(lines[-1])
+    assert drawn and width * 0.4 < min(drawn) and max(drawn) < width * 0.75, (chart[0], drawn)

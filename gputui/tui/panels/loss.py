@@ -160,7 +160,11 @@ class LossPanel(ChartPanel):
         lines.extend(norm)
         if rows - small >= 2:
             if small:
-                self.norms.read([Series(v.series.grad_norm.values, NORM, peaks=True)], width)
+                norms, loss = v.series.grad_norm, v.series.loss
+                if norms.steps == loss.steps:  # measured at every step (fit's): the list itself, read as it grows
+                    self.norms.read([Series(norms.values, NORM, peaks=True)], width)
+                else:  # for part of the run (fp16's scaler, a resumed run): under the loss's steps, gaps elsewhere
+                    self.norms.read([Series(under(loss.steps, norms.steps, norms.values), NORM, True, True)], width)
                 lines.extend(self.norms.draw(small, low=0.0))
             lines.append(axis(v.series.loss.steps, width, max(self.chart.extent, self.norms.extent)))
         return lines
@@ -172,16 +176,31 @@ class LossPanel(ChartPanel):
         norms = v.series.grad_norm
         if not len(norms):
             return []
-        latest = v.latest.grad_norm if v.latest and v.latest.grad_norm is not None else norms.values[-1]
+        measured = v.latest.grad_norm if v.latest is not None else None
+        now = measured is not None  # else the last one measured, said where
+        latest = measured if measured is not None else norms.values[-1]
         clip = v.info.clip_grad_norm if v.info else None
         over = clip is not None and latest > clip
         at = self.highest.read(norms.values)
-        figures = [
-            Text("grad norm ", style=NORM).append(f"{latest:.4g}", style="bold" + (" yellow" if over else "")),
-            Text(f"max {norms.values[at]:.4g} @ {norms.steps[at]}", style="dim"),
-        ]
+        head = Text("grad norm ", style=NORM).append(f"{latest:.4g}", style="bold" + (" yellow" if over else ""))
+        if not now:
+            head.append(f" @ {norms.steps[-1]}", style="dim")
+        figures = [head, Text(f"max {norms.values[at]:.4g} @ {norms.steps[at]}", style="dim")]
         if clip is not None:
             figures.append(Text(f"clip {clip:.4g}", style="yellow" if over else "dim"))
         if v.skipped:
             figures.append(Text(f"{v.skipped} fp16 step{'s' if v.skipped > 1 else ''} skipped", style="red"))
         return flow(figures, width)
+
+
+def under(steps: Sequence[int], at: Sequence[int], values: Sequence[float]) -> list[float]:
+    """`values` (measured at steps `at`) at the chart's points `steps`: each point the highest measured in
+    its span (after the point before it, up to its own step), NaN where none was."""
+    out, j, n = [], 0, len(at)
+    for step in steps:
+        best = math.nan
+        while j < n and at[j] <= step:
+            best = values[j] if math.isnan(best) else max(best, values[j])
+            j += 1
+        out.append(best)
+    return out
