@@ -183,12 +183,14 @@ def test_rank_lines_without_capacities_are_bars_of_the_highest_peak():
     assert lines[1].rstrip().endswith("mb 4  ◀ worst") and lines[2].rstrip().endswith("this")
 
 
-async def test_the_footer_drops_the_remedy_keys_first():
+async def test_the_footer_drops_the_remedy_keys_first_then_the_dimmed_ones():
     screen = await shown(cuda_run(), (80, 24))
     footer = screen["footer"]
     assert "b halve" not in footer and "o auto" not in footer  # the remedies bar shows them with their keys
-    for key in ("f free", "p pause", "t tensors", "m memory", "l log", "? help", "q quit", "^p palette"):
-        assert key in footer, footer
+    for key in ("f free", "w plan", "p pause", "t tensors", "m memory", "l log", "? help", "q quit"):
+        assert key in footer, footer  # w, the planner, is nowhere else on the screen
+    cpu = (await shown(cpu_run(), (80, 24)))["footer"]
+    assert "s snap" not in cpu and "w plan" in cpu and "^p palette" in cpu, cpu  # a CPU cannot snapshot
     wide = await shown(cuda_run(), (160, 48))
     assert " b halve  B double " in wide["footer"]  # room for all, not compacted
 

@@ -10,8 +10,9 @@ from textual.widgets._footer import FooterKey  # the footer's key widget: textua
 
 class KeysFooter(Footer):
     """Textual's footer, fitted to the width as the header is: compact when the keys do not fit
-    with room around them, then the keys go in DROP_ORDER (the remedies bar shows the first five
-    with their keys already); `?` help and `q` quit always stay."""
+    with room around them, then the keys that cannot act now go (dimmed: a snapshot on a CPU), then the
+    rest in DROP_ORDER (the remedies bar shows the first five with their keys already; w, the planner,
+    stays longest after pause and tensors); `?` help and `q` quit always stay."""
 
     DROP_ORDER = (
         "double_batch",
@@ -19,12 +20,12 @@ class KeysFooter(Footer):
         "toggle_checkpointing",
         "cycle_amp",
         "halve_batch",
-        "plan",
         "command_palette",
         "snapshot",
-        "free_cache",
         "memory",
         "log",
+        "free_cache",
+        "plan",
         "toggle_pause",
         "top_tensors",
     )
@@ -46,11 +47,12 @@ class KeysFooter(Footer):
         width = self.size.width
         if not width or not self.is_attached:
             return set()
-        keys = {
-            _action(binding.action): (len(self.app.get_key_display(binding)), len(binding.description))
-            for _, binding, _, _ in self.screen.active_bindings.values()
-            if binding.show
-        }
+        keys, dimmed = {}, []
+        for _, binding, enabled, _ in self.screen.active_bindings.values():
+            if binding.show:
+                keys[_action(binding.action)] = (len(self.app.get_key_display(binding)), len(binding.description))
+                if not enabled:
+                    dimmed.append(_action(binding.action))
         palette = self.screen.active_bindings.get(self.app.COMMAND_PALETTE_BINDING)
         if palette is not None and self.show_command_palette and self.app.ENABLE_COMMAND_PALETTE:
             # docked right, after a border: two cells more than a key
@@ -59,10 +61,10 @@ class KeysFooter(Footer):
         self.compact = sum(k + d + 3 for k, d in keys.values()) > width
         needed = sum(k + d + 2 for k, d in keys.values())
         hidden: set[str] = set()
-        for action in self.DROP_ORDER:
+        for action in [a for a in self.DROP_ORDER if a in dimmed] + list(self.DROP_ORDER):
             if needed <= width:
                 break
-            if action in keys:
+            if action in keys and action not in hidden:
                 hidden.add(action)
                 needed -= sum(keys[action]) + 2
         return hidden
