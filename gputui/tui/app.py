@@ -12,12 +12,12 @@ from __future__ import annotations
 import io
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
 from textual import events
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal
@@ -255,6 +255,10 @@ class GputuiApp(App[int]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         return None if self.why_not(action) else True
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        """Textual's, less its Quit ("as soon as possible": ours asks first, and the palette lists it)."""
+        return (command for command in super().get_system_commands(screen) if command.title != "Quit")
 
     def palette(self) -> list[tuple[Key, str, str]]:
         """Every key as the command palette lists it: (key, name, help or why it cannot act now)."""

@@ -26,6 +26,8 @@ async def test_halve_key_reaches_the_engine_and_the_screen(make_app, hub):
         assert "micro-batch 16 × 1 = 16" in text(app, "#remedies")
         await pilot.press("b")
         assert "requested: halve micro-batch (16 -> 8)" in text(app, "#timeline")
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert "Quit" not in titles and "Theme" in titles  # ours, "quit (q)", asks first: Textual's would not say
         await until(pilot, lambda: "micro_batch_changed" in names(hub))
         await until(pilot, lambda: "micro-batch 8 × 2 = 16" in text(app, "#remedies"))
         timeline = text(app, "#timeline")
