@@ -210,6 +210,7 @@ def _run(options: argparse.Namespace) -> int:
         snapshot_dir=options.snapshot_dir,
         metrics=options.metrics,
     )
+    interrupted = False
     with contextlib.ExitStack() as telemetry:
         try:
             hub = telemetry.enter_context(opened(overrides, progress=sys.stdout if options.headless else None))
@@ -223,10 +224,12 @@ def _run(options: argparse.Namespace) -> int:
                 # the TUI and in fit; else a save would replay a second one into the ignore and go on.
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 signal.signal(signal.SIGTERM, ours(partial(_terminated, hub)))
-                return run_script(options.script, options.args, observe=hub, output=hub.output.write)
-            from .tui.local import run_tui
+                code = run_script(options.script, options.args, observe=hub, output=hub.output.write)
+                interrupted = code == 130 and hub.stop_signal != "terminated"  # a Ctrl-C's KeyboardInterrupt
+            else:
+                from .tui.local import run_tui
 
-            return run_tui(hub, options.script, options.args, options.refresh)
+                code = run_tui(hub, options.script, options.args, options.refresh)
         finally:
             # The run is over: a Ctrl-C or SIGTERM now (a second one, while the telemetry closes)
             # would only interrupt the cleanup, leaving a stale socket and printing our own traceback.
@@ -234,6 +237,24 @@ def _run(options: argparse.Namespace) -> int:
                 signal.signal(sig, signal.SIG_IGN)
             if options.headless:
                 _say_saved(hub)
+    if interrupted:
+        _end_as_interrupted()
+    return code
+
+
+def _end_as_interrupted() -> None:
+    """End as Python ends on a Ctrl-C it did not catch: the exit handlers run, then the process kills itself
+    with SIGINT, so the shell that started it sees a Ctrl-C and stops too (a loop over runs, `a && b`)
+    rather than going on to the next command as after an exit code of 130."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _say_saved(hub: Any) -> None:

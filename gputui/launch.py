@@ -135,7 +135,11 @@ def run_script(
     observing = contextlib.ExitStack()
     # Installed before the script's folder goes on sys.path: a models.py or utils.py there must
     # not shadow what torch imports (the script itself then sees what python would show it).
-    observer = observing.enter_context(_observed(observe, output)) if observe is not None else None
+    try:
+        observer = observing.enter_context(_observed(observe, output)) if observe is not None else None
+    except KeyboardInterrupt:  # a Ctrl-C while torch loads, before the script began
+        err.write(f"\ngputui: {name} interrupted before it started\n")
+        return 130
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))

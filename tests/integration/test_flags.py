@@ -173,3 +173,19 @@ def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_p
     assert proc.returncode == 130 and "terminated: finishing the current step" in err
     end = records(metrics)[-1]
     assert end["kind"] == "end" and end["stopped"] == "terminated" and end["error"] is None
+
+
+def test_a_ctrl_c_while_torch_loads_is_one_line_not_our_traceback(tmp_path, monkeypatch, capsys):
+    """The watcher imports torch before the script runs (seconds on a slow machine): a Ctrl-C then was a
+    traceback through gputui's and torch's imports."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_observed", interrupted)
+    with opened(attachable=False) as hub:
+        code = launch.run_script(str(script), [], observe=hub)
+    out, err = capsys.readouterr()
+    assert code == 130 and err == "\ngputui: train.py interrupted before it started\n" and out == ""

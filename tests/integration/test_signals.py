@@ -301,7 +301,8 @@ def test_headless_sigint_during_a_save_stops_once_the_file_is_whole(tmp_path, en
         [sys.executable, "-c", ignoring], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     stdout, stderr = signal_mid_save(proc, signal.SIGINT, saving, go)
-    assert proc.returncode == 130 and "after the save" not in stdout, stderr
+    # ended by SIGINT, as python ends on a Ctrl-C it does not catch: the shell that started it stops too
+    assert proc.returncode == -signal.SIGINT and "after the save" not in stdout, stderr
     assert "gputui: save.py interrupted" in stderr and "Traceback" not in stderr
     assert_saved_whole(out)
 
