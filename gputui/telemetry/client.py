@@ -276,7 +276,8 @@ class Mirror:
                 self.ended, self.status = True, self.status_when_gone()
                 return
             if not self._stop.is_set():
-                self.status = status
+                ended = self.hub.summary is not None and status.startswith("disconnected")
+                self.status = self.status_when_gone() if ended else status  # its run had ended: it is leaving
                 self._stop.wait(self.retry)
 
     def status_when_gone(self) -> str:

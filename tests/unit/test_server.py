@@ -220,6 +220,19 @@ def test_mirror_replays_the_job_and_tells_when_it_ended(served):
     assert mirror.status == "the job finished"
 
 
+def test_a_mirror_whose_job_ended_its_run_says_so_at_once_when_it_leaves(served):
+    """Not "disconnected: reconnecting…" for a retry's wait while a job that said its end goes away."""
+    hub, server = served
+    hub.start(RunInfo(device="cpu"))
+    mirror = Mirror(server.path, os.getpid(), retry=30.0).start()
+    until(lambda: mirror.generation == 1)
+    hub.end(RunSummary(steps=2, stopped="requested"))
+    until(lambda: mirror.hub.summary is not None)
+    server.close()
+    until(lambda: mirror.status == "the job stopped (requested)", what=lambda: mirror.status)
+    mirror.stop()
+
+
 @pytest.mark.parametrize(
     ("summary", "outcome", "said"),
     [
