@@ -178,7 +178,7 @@ class Boundary:
         return True
 
     def _request_stop(self, control: Control) -> bool:
-        self.state.stop_reason = "requested"
+        self.state.stop_reason = "interrupted" if control.value == "interrupted" else "requested"
         return True
 
     # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------

@@ -30,7 +30,7 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
     "plan": None,
     "pause": None,
     "resume": None,
-    "stop": None,
+    "stop": (None, "interrupted"),  # interrupted: the screen's Ctrl-C, said as headless says a Ctrl-C
 }
 
 # Remedies: the actions that change how the next step uses memory. While the loop waits after

@@ -363,7 +363,7 @@ class GputuiApp(App[int]):
         if self._quitting or not self._script_running():
             self._leave()
         else:
-            self._stop_then_quit()
+            self._stop_then_quit(interrupted=True)
 
     def _script_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -382,12 +382,13 @@ class GputuiApp(App[int]):
             timeout=30,
         )
 
-    def _stop_then_quit(self) -> None:
+    def _stop_then_quit(self, interrupted: bool = False) -> None:
+        """`interrupted`: Ctrl-C, which the run says as headless says one ("stopped (interrupted)")."""
         self._quitting = True
         self.view.stopping = True
         # Sent even before the first step is seen (the script may still be importing torch): the
         # run stops at its first boundary instead of training on after the user quit.
-        self.send("stop", text="stop")
+        self.send("stop", "interrupted" if interrupted else None, text="stop")
         self.notify(
             f"Stopping after the current step ({stop_effect(self.view)[1]}). q again quits at once.",
             timeout=10,
