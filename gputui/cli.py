@@ -225,7 +225,9 @@ def _run(options: argparse.Namespace) -> int:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 signal.signal(signal.SIGTERM, ours(partial(_terminated, hub)))
                 code = run_script(options.script, options.args, observe=hub, output=hub.output.write)
-                interrupted = code == 130 and hub.stop_signal != "terminated"  # a Ctrl-C's KeyboardInterrupt
+                ended = hub.summary.stopped if hub.summary is not None else None
+                # a Ctrl-C's KeyboardInterrupt (not one raised for a SIGTERM, a `gputui ctl stop`, a q)
+                interrupted = code == 130 and hub.stop_signal is None and ended in (None, "interrupted")
             else:
                 from .tui.local import run_tui
 
@@ -238,23 +240,13 @@ def _run(options: argparse.Namespace) -> int:
             if options.headless:
                 _say_saved(hub)
     if interrupted:
-        _end_as_interrupted()
+        # Ended as python ends on a Ctrl-C it did not catch (said already, so without a traceback): its
+        # threads joined, its exit handlers run, then killed by SIGINT, so the shell that started it sees a
+        # Ctrl-C and stops too (a loop over runs, `a && b`) instead of going on as after an exit code of 130.
+        sys.excepthook = lambda *exc: None
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
     return code
-
-
-def _end_as_interrupted() -> None:
-    """End as Python ends on a Ctrl-C it did not catch: the exit handlers run, then the process kills itself
-    with SIGINT, so the shell that started it sees a Ctrl-C and stops too (a loop over runs, `a && b`)
-    rather than going on to the next command as after an exit code of 130."""
-    import atexit
-
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _say_saved(hub: Any) -> None:

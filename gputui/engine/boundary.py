@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from ..interrupts import notice, ours
 from ..step.checkpointing import Checkpointing
 from ..step.precision import Precision
-from ..telemetry.controls import Control
+from ..telemetry.controls import CHANGES, Control
 from ..telemetry.hub import Hub
 from .planhook import PlanningHook
 from .session import RunSession
@@ -49,10 +49,6 @@ _HANDLERS = {
 """The method that applies each control, by name: a boundary holding its own bound methods would be a
 cycle, keeping the run's optimizer and model (their memory on the device) alive after fit() until a
 collection."""
-
-_CHANGES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover", "pause"})
-"""The controls refused once the run is stopping: no step would train with them, and the summary would
-report a setting no step used."""
 
 
 class Boundary:
@@ -119,7 +115,10 @@ class Boundary:
 
     def _apply(self, control: Control) -> bool:
         """Apply one control; True if it changed something. Every request is answered by an event."""
-        if control.action in _CHANGES and (self.state.stop_reason or self.signalled()):
+        # Under torchrun the controls applied are the ones every rank agreed on, and so must be the stop: a
+        # signal this rank alone has seen is agreed at the next exchange (refused here alone, ranks would part)
+        stopping = self.state.stop_reason or (self.agreement is None and self.signalled())
+        if control.action in CHANGES and stopping:
             return self.session.refuse(control, "the run is stopping after this step")
         applied = self.session.apply(control)
         if applied is not None:
@@ -178,7 +177,7 @@ class Boundary:
         return True
 
     def _request_stop(self, control: Control) -> bool:
-        self.state.stop_reason = "interrupted" if control.value == "interrupted" else "requested"
+        self.state.stop_reason = "requested"
         return True
 
     # -- Ctrl-C and SIGTERM: finish the step, then stop ---------------------------------------

@@ -241,9 +241,8 @@ class Observer:
             if control.action != "stop":  # not in `refused`, and no own loop can apply it
                 self.session.refuse(control, NEEDS_FIT)
             else:
-                why = "interrupted" if control.value == "interrupted" else "requested"
-                self.stop_reason, self.session.paused = why, False
-                self.session.emit("stopped", control, reason=f"{why}: KeyboardInterrupt raised in the script")
+                self.stop_reason, self.session.paused = "requested", False
+                self.session.emit("stopped", control, reason="requested: KeyboardInterrupt raised in the script")
                 raise KeyboardInterrupt  # in the script's thread, after its optimizer.step(): as Ctrl-C would
 
     # -- the end ---------------------------------------------------------------------------------------

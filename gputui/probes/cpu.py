@@ -82,7 +82,8 @@ class StateTracker:
         self.budget = budget
         self.optimizer = optimizer
         self._params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
-        self._lazy = any(map(is_lazy, self._params))  # a Lazy module's, made in its first forward: counted then
+        # A Lazy module's parameters, made in its first forward: counted from then on.
+        self._lazy: list[torch.Tensor] = [p for p in self._params if is_lazy(p)]
         self._take_params()
         self.grads = 0
         self._has_grad: set[int] = set()
@@ -116,9 +117,10 @@ class StateTracker:
             hooked = (p for p in self._params if p.requires_grad and not is_lazy(p))  # a lazy one: once made
             self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
 
-    def _made(self) -> None:
-        """The Lazy modules' parameters are all made (their first forward ran): counted from this step on."""
-        self._lazy = False
+    def _made(self, lazy: list[torch.Tensor]) -> None:
+        """Some of the Lazy modules' parameters were made (their first forward ran): counted from this step
+        on; `lazy`: those still to make (a branch not run yet)."""
+        self._lazy = lazy
         for hook in self._hooks:
             hook.remove()
         self._take_params()
@@ -228,8 +230,10 @@ class StateTracker:
         caller knows (see the module doc); `inputs()`: its batch's tensors, whose storages (a data set
         the batch was sliced from, say) are not its activations (asked only of a step that counts).
         Decides whether this step counts them."""
-        if self._lazy and not any(map(is_lazy, self._params)):
-            self._made()
+        if self._lazy:
+            lazy: list[torch.Tensor] = [p for p in self._lazy if is_lazy(p)]
+            if len(lazy) < len(self._lazy):
+                self._made(lazy)
         now = time.monotonic()
         shape = None if shape is None else (shape, self._optimizer_entries)
         last_shape, last_peak, last_start = self._counted

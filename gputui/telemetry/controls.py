@@ -30,12 +30,16 @@ ACTIONS: dict[str, tuple[Any, ...] | None] = {
     "plan": None,
     "pause": None,
     "resume": None,
-    "stop": (None, "interrupted"),  # interrupted: the screen's Ctrl-C, said as headless says a Ctrl-C
+    "stop": None,
 }
 
 # Remedies: the actions that change how the next step uses memory. While the loop waits after
 # an OOM (auto-recover off), applying one of these retries the batch at once.
 REMEDIES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing", "free_cache"})
+
+CHANGES = frozenset({"halve_batch", "double_batch", "set_amp", "set_checkpointing", "set_auto_recover", "pause"})
+"""The controls refused once the run is stopping (the screen dims their keys): no step would train with
+them, and the summary would report a setting no step used."""
 
 BATCH_NORM_FLOOR = "BatchNorm needs at least 2 samples per micro-batch"
 """Why a model with BatchNorm is never halved below 2: the engine refuses with it, the TUI dims with it."""

@@ -56,8 +56,11 @@ class History:
         self.steps, self.values, self.stride, self._pending, self._last = [], [], 1, [], -1
 
     def load(self, steps: list[int], values: list[float], stride: int) -> None:
-        """Start from a history received from elsewhere (a job being attached to)."""
-        self.steps, self.values, self.stride, self._pending = list(steps), list(values), stride, []
+        """Start from a history received from elsewhere (a job being attached to); a point that is not a
+        number (a job's null) is not one here either."""
+        kept = [(s, v) for s, v in zip(steps, values, strict=False) if isinstance(v, (int, float)) and math.isfinite(v)]
+        self.steps, self.values = [s for s, _ in kept], [float(v) for _, v in kept]
+        self.stride, self._pending = stride, []
         self._last = self.steps[-1] if self.steps else -1
 
 

@@ -190,6 +190,12 @@ class GputuiApp(App[int]):
         self.pull()
 
     @property
+    def attached(self) -> bool:
+        """`gputui attach`'s screen: it leaves and the job trains on (the job of `gputui run`'s own screens,
+        one process or torchrun's, is theirs to stop)."""
+        return self.view.remote and self.runner is None
+
+    @property
     def training_thread(self) -> threading.Thread | None:
         return self._thread
 
@@ -338,7 +344,7 @@ class GputuiApp(App[int]):
         self.push_screen(LogScreen(self.output))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(attached=self.view.remote))
+        self.push_screen(HelpScreen(attached=self.attached))
 
     def _oom_choice(self, choice: str | None) -> None:
         if not choice:
@@ -348,7 +354,7 @@ class GputuiApp(App[int]):
 
     # -- leaving ---------------------------------------------------------------------------------
     def action_quit(self) -> None:  # type: ignore[override]
-        if self.view.remote and self.view.paused and self.view.training and not self.source.watch_only:
+        if self.attached and self.view.paused and self.view.training and not self.source.watch_only:
             if not self._warned_paused:  # an attached screen leaves; the job it paused would wait for no one
                 self._warned_paused = True
                 self.notify("the job stays paused after you leave: p resumes it; q again leaves", severity="warning")
@@ -363,7 +369,7 @@ class GputuiApp(App[int]):
         if self._quitting or not self._script_running():
             self._leave()
         else:
-            self._stop_then_quit(interrupted=True)
+            self._stop_then_quit()
 
     def _script_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -382,13 +388,12 @@ class GputuiApp(App[int]):
             timeout=30,
         )
 
-    def _stop_then_quit(self, interrupted: bool = False) -> None:
-        """`interrupted`: Ctrl-C, which the run says as headless says one ("stopped (interrupted)")."""
+    def _stop_then_quit(self) -> None:
         self._quitting = True
         self.view.stopping = True
         # Sent even before the first step is seen (the script may still be importing torch): the
         # run stops at its first boundary instead of training on after the user quit.
-        self.send("stop", "interrupted" if interrupted else None, text="stop")
+        self.send("stop", text="stop")
         self.notify(
             f"Stopping after the current step ({stop_effect(self.view)[1]}). q again quits at once.",
             timeout=10,

@@ -4,7 +4,7 @@ palette, the planner and the OOM dialog all ask here, so a dimmed key and its re
 
 from __future__ import annotations
 
-from ..telemetry.controls import BATCH_NORM_FLOOR
+from ..telemetry.controls import BATCH_NORM_FLOOR, CHANGES
 from .keys import BY_ACTION
 from .view import RunView
 
@@ -48,12 +48,12 @@ def why_not(view: RunView, action: str, watch_only: str | None) -> str | None:
     reason = cannot_send(view, key.control, watch_only)
     if reason or view.info is None:  # the run not started has a reason
         return reason
-    if view.stopping:
+    if view.stopping and key.control in CHANGES:
         return "the run is stopping after this step"
     micro, s = micro_batch_once_applied(view), view.latest
     if micro is None or s is None:
         return None
-    asked = bool(view.pending)  # the limit is reached once what was asked is applied
+    asked = any(a in ("halve_batch", "double_batch") for a, _ in view.pending.asked.values())  # reached once applied
     if action == "halve_batch" and micro <= 1:
         return f"the micro-batch {'will already be' if asked else 'is already'} 1"
     if action == "halve_batch" and micro <= view.info.min_micro_batch:

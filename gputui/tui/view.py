@@ -17,6 +17,7 @@ from typing import Any
 
 from ..telemetry.controls import AMP_MODES
 from ..telemetry.describe import describe, number, waiting_text
+from ..telemetry.events import EVENTS
 from ..telemetry.history import RunSeries
 from ..telemetry.hub import IDLE_S
 from ..telemetry.run import RunInfo, RunSummary
@@ -124,7 +125,7 @@ class RunView:
     def apply(self, update: Update) -> bool:
         """Fold an update in; True if anything changed (the widgets then re-render)."""
         changed = update.banner != self.banner
-        self.banner = update.banner
+        self.banner, generation = update.banner, self.generation
         if update.runs != self.runs or update.reset:
             if update.reset:  # the job replays its recent events: start the timeline over too
                 self.timeline.clear()
@@ -139,6 +140,8 @@ class RunView:
             self._sample(sample)
         for event in update.events:
             self._event(event)
+        if update.reset or generation != self.generation:  # a welcome: its events came before its last step
+            self.changed.clear()
         if update.summary is not None and self.summary is None:
             self.summary = update.summary
             self.ended = self.ended or self.clock()
@@ -177,22 +180,26 @@ class RunView:
         request = e.get("request_id")
         if request is not None:
             self.pending.answered(request)
+        # A job's event without a detail its name always has changes no setting: a timeline line (its name).
+        # The plan's, the OOM's and the eval's readers take what is there (.get).
+        whole = all(key in e.details for key in EVENTS.get(e.name, ()))
         if e.name == "paused":
             self.paused = True
         elif e.name == "resumed":
             self.paused = False
             self.waiting_oom = None
-        elif e.name == "auto_recover_changed":
+        elif e.name == "auto_recover_changed" and whole:
             self.auto_recover = bool(e["enabled"])
-        elif e.name in ("amp_changed", "checkpointing_changed"):  # before the next step's record says it
+        elif e.name in ("amp_changed", "checkpointing_changed") and whole:  # before the next step's record says it
             value = e["to"] if e.name == "amp_changed" else e["enabled"]
-            self.changed[e.name[: -len("_changed")]] = (self.samples_seen, value)
-        elif e.name in ("micro_batch_changed", "oom_recovered", "thrashing"):
+            if type(value) is (str if e.name == "amp_changed" else bool):  # a job's record: checked before use
+                self.changed[e.name[: -len("_changed")]] = (self.samples_seen, value)
+        elif e.name in ("micro_batch_changed", "oom_recovered", "thrashing") and whole:
             size = e["to"] if e.name == "micro_batch_changed" else e["micro_batch_to"]
-            if type(size) is int and type(e["accumulation"]) is int:  # a job's record: checked before it is used
+            if type(size) is int and type(e["accumulation"]) is int:
                 self.changed["pieces"] = (self.samples_seen, (size, e["accumulation"]))
-        elif e.name == "rank_waiting":
-            self.rank_waiting = e
+        elif e.name == "rank_waiting" and whole:
+            self.rank_waiting = e if number(e["waited_s"]) is not None else self.rank_waiting
         elif e.name == "oom" and e.get("waiting"):
             self.waiting_oom = e
         elif e.name == "top_tensors":
@@ -207,9 +214,9 @@ class RunView:
             self.evals.append((e.step, math.nan if value is None else float(value)))
             self.evals_seen += 1
         elif e.name == "signalled":
-            self.signalled = str(e["reason"])
+            self.signalled = str(e.get("reason"))
         elif (
-            e.name == "step_skipped" and type(e["skipped"]) is int
+            e.name == "step_skipped" and whole and type(e["skipped"]) is int
         ):  # a job's record: only what describe() needs is checked
             self.skipped = e["skipped"]
         if e.name in ("oom", "oom_recovered"):

@@ -189,3 +189,42 @@ def test_a_ctrl_c_while_torch_loads_is_one_line_not_our_traceback(tmp_path, monk
         code = launch.run_script(str(script), [], observe=hub)
     out, err = capsys.readouterr()
     assert code == 130 and err == "\ngputui: train.py interrupted before it started\n" and out == ""
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("how", ["ctrl-c", "ctl stop"])
+def test_a_headless_own_loop_ended_by_ctrl_c_dies_by_sigint_and_one_stopped_by_request_exits_130(
+    tmp_path, processes, how
+):
+    """Python ends on a Ctrl-C it did not catch by SIGINT, so a shell loop over runs stops too; a stop asked
+    with `gputui ctl` (or a q) is no Ctrl-C: the shell's loop goes on to its next run."""
+    script = tmp_path / "long.py"
+    script.write_text(
+        textwrap.dedent(PRELUDE)
+        + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
+        "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
+    )
+    metrics, runtime = tmp_path / "m.jsonl", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    proc = processes.gputui(
+        "run",
+        "--headless",
+        "--metrics",
+        metrics,
+        script,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: metrics.exists() and '"kind":"step"' in metrics.read_text(), message="no step", process=proc)
+    if how == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+    else:
+        assert gputui("ctl", str(proc.pid), "stop", env=env).returncode == 0
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == (-signal.SIGINT if how == "ctrl-c" else 130), err
+    end = records(metrics)[-1]
+    assert end["kind"] == "end" and end["stopped"] == ("interrupted" if how == "ctrl-c" else "requested")

@@ -127,16 +127,6 @@ async def test_a_key_pressed_again_before_the_loop_answers_counts_on_from_the_fi
     ]
 
 
-async def test_ctrl_c_stops_after_the_step_as_an_interruption_as_headless_says_one(make_app, hub):
-    app = make_app()
-    async with app.run_test(size=(100, 30)) as pilot:
-        await started(pilot, app, hub)
-        await pilot.press("ctrl+c")
-        await until(pilot, lambda: hub.summary is not None or "stopped" in names(hub), timeout=30)
-    stopped = [e for e in hub.events() if e.name == "stopped"]
-    assert stopped and stopped[0]["reason"] == "interrupted"  # q's is "requested"
-
-
 async def test_pause_stops_the_steps_and_resume_restarts_them(make_app, hub):
     app = make_app()
     async with app.run_test(size=(100, 30)) as pilot:

@@ -106,6 +106,10 @@ def test_why_not_says_why_a_key_cannot_act():
     v.stopping = True  # quit confirmed: no step would train with a change
     assert why_not(v, "double_batch", None) == why_not(v, "cycle_amp", None) == "the run is stopping after this step"
     assert why_not(v, "plan", None) is None  # its screen still shows the last plan
+    assert why_not(v, "free_cache", None) is None  # the run still serves what changes no setting
+    v.stopping = False
+    v.requested(5, "memory snapshot", "snapshot")  # pending, but no halving: the micro-batch is 1 now
+    assert why_not(v, "halve_batch", None) == "the micro-batch is already 1"
     v.apply(update(info=v.info, summary=RunSummary(steps=1)))
     assert why_not(v, "free_cache", None) == "training has ended"
 
@@ -323,3 +327,32 @@ def test_a_batch_change_applied_while_no_step_runs_is_the_views_and_the_plans_ma
     assert v.pieces == (11, 6, 64) and not fresh(v)
     v.apply(update(sample(2, micro=11, batch=64), info=v.info))  # the record: 11 x 6 by its own count
     assert v.pieces == (11, 64 // 11, 64)
+
+
+@pytest.mark.parametrize("details", ["none", "strings"])
+def test_a_jobs_event_without_its_details_or_with_wrong_types_is_a_line_never_a_crash(details):
+    """The client checks a record's top-level types; an event's details are the job's. Each known event
+    arriving bare (or each detail a string) leaves the view's state as it was, and everything the panels
+    read still reads."""
+    from gputui.telemetry.describe import describe
+    from gputui.telemetry.events import EVENTS
+
+    v = view(RunInfo(total_steps=100), sample(3, micro=4, batch=16))
+    for name, keys in EVENTS.items():
+        given = {} if details == "none" else dict.fromkeys(keys, "x")
+        v.apply(update(events=[Event(name, 3, given)], info=v.info))
+        assert v.pieces == (4, 4, 16) and v.amp in ("off", "x") and not v.checkpointing  # a newer job's AMP mode
+        assert v.status in ("training", "paused") and micro_batch_once_applied(v) == 4
+        assert v.timeline[0].text == describe(Event(name, 3, given)) and v.timeline[0].text
+    assert v.entries == len(EVENTS) and v.skipped == 0 and v.rank_waiting is None
+
+
+def test_a_welcome_replays_old_changes_before_its_last_step_whose_record_says_the_setting():
+    """On attaching, the job's recent events (an old halving among them) come with its last step: the
+    record, made after them, says the micro-batch; a null in the history received is no point."""
+    v = RunView(clock=Clock(), script="")
+    old = Event("micro_batch_changed", 2, {"from": 16, "to": 8, "accumulation": 2})
+    history = {"loss": ([1, 2, 3], [0.9, None, 0.7], 1)}
+    v.apply(update(sample(9, micro=16, batch=16), events=[old], info=RunInfo(), reset=True, history=history))
+    assert v.pieces == (16, 1, 16)
+    assert v.series.loss.steps == [1, 3, 9] and v.series.loss.values == [0.9, 0.7, 1.0]

@@ -65,6 +65,27 @@ def test_a_lazy_modules_parameters_count_once_made(budget):
     t.close()
 
 
+def test_lazy_parameters_made_are_counted_while_a_branch_not_run_stays_lazy():
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.head, self.unused = nn.LazyLinear(16), nn.Linear(16, 2), nn.LazyLinear(3)
+
+        def forward(self, x):
+            return self.head(self.used(x))
+
+    model = Branches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = StateTracker(model, opt, None)
+    assert t.params == (16 * 2 + 2) * 4
+    for _ in range(2):
+        t.start_step()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert t.params == (8 * 16 + 16 + 16 * 2 + 2) * 4
+    t.close()
+
+
 def test_views_of_one_storage_count_once():
     model = nn.Linear(4, 4)
     t = StateTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), None)

@@ -246,8 +246,7 @@ class Agreement:
             "closing": closing,
             "closing_ranks": rank_bit(self.rank, closing),
         }
-        stops = [asked.pop(("stop", value), None) for value in (None, "interrupted")]  # a screen's Ctrl-C too
-        job["requested"] = job["requested"] or any(stops)
+        job["requested"] = job["requested"] or bool(asked.pop(("stop", None), None))
         mine = {
             "micro_batch": micro_batch,
             "setting": setting,
