@@ -13,13 +13,11 @@ import io
 import threading
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 from textual import events
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.screen import Screen
@@ -29,6 +27,7 @@ from ..telemetry.sample import Event
 from .availability import cannot_send, halved, micro_batch_once_applied, why_not
 from .keys import BY_KEY, KEYS, Key, shown
 from .messages import RequestControl, ShowScreen
+from .palette import Actions
 from .panels.base import Panel
 from .panels.footer import KeysFooter
 from .panels.gpus import GpuLine
@@ -62,27 +61,6 @@ class ScriptEnded(Message):
     def __init__(self, code: int, report: str) -> None:
         super().__init__()
         self.code, self.report = code, report
-
-
-class Actions(Provider):
-    """The command palette: every key's action, with why it cannot act when it cannot."""
-
-    def _app(self) -> GputuiApp:
-        assert isinstance(self.app, GputuiApp)  # the provider is only listed in GputuiApp.COMMANDS
-        return self.app
-
-    async def discover(self) -> Hits:
-        app = self._app()
-        for key, name, help in app.palette():
-            yield DiscoveryHit(name, partial(app.act, key.action), help=help)
-
-    async def search(self, query: str) -> Hits:
-        app = self._app()
-        matcher = self.matcher(query)
-        for key, name, help in app.palette():
-            score = matcher.match(name)
-            if score > 0:
-                yield Hit(score, matcher.highlight(name), partial(app.act, key.action), help=help)
 
 
 class MainScreen(Screen[None]):
