@@ -210,10 +210,7 @@ def describe(event: Event) -> str:
     required = EVENTS.get(event.name)
     if required is None or not all(key in event.details for key in required):
         return event.name.replace("_", " ")
-    try:
-        return _TEXT[event.name](event)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError):  # a detail of another type
-        return event.name.replace("_", " ")
+    return _TEXT[event.name](event)  # a job's detail of another type raises: the client refuses it (checks.py)
 
 
 def diagnosis_text(d: Mapping[str, Any]) -> str:
