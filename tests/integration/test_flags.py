@@ -145,15 +145,21 @@ def test_a_stop_request_ends_either_run_as_stopped_not_failed(tmp_path, monkeypa
     assert summary.outcome == "stopped"
 
 
-def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path, processes):
-    """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
-    at once, with no end record and its socket left behind)."""
-    script = tmp_path / "long.py"
+def long_own_loop(folder):
+    """A script with its own loop that trains for minutes: stopped by the test."""
+    script = folder / "long.py"
     script.write_text(
         textwrap.dedent(PRELUDE)
         + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
         "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
     )
+    return script
+
+
+def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path, processes):
+    """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
+    at once, with no end record and its socket left behind)."""
+    script = long_own_loop(tmp_path)
     metrics = tmp_path / "m.jsonl"
     proc = processes.gputui(
         "run",
@@ -198,12 +204,7 @@ def test_a_headless_own_loop_ended_by_ctrl_c_dies_by_sigint_and_one_stopped_by_r
 ):
     """Python ends on a Ctrl-C it did not catch by SIGINT, so a shell loop over runs stops too; a stop asked
     with `gputui ctl` (or a q) is no Ctrl-C: the shell's loop goes on to its next run."""
-    script = tmp_path / "long.py"
-    script.write_text(
-        textwrap.dedent(PRELUDE)
-        + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
-        "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
-    )
+    script = long_own_loop(tmp_path)
     metrics, runtime = tmp_path / "m.jsonl", tmp_path / "run"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
