@@ -50,8 +50,8 @@ def why_not(view: RunView, action: str, watch_only: str | None) -> str | None:
         return reason
     if view.stopping and key.control in CHANGES:
         return "the run is stopping after this step"
-    micro, s = micro_batch_once_applied(view), view.latest
-    if micro is None or s is None:
+    micro, s = micro_batch_once_applied(view) if action in ("halve_batch", "double_batch") else None, view.latest
+    if micro is None or s is None:  # not a batch key, or no step yet
         return None
     asked = any(a in ("halve_batch", "double_batch") for a, _ in view.pending.asked.values())  # reached once applied
     if action == "halve_batch" and micro <= 1:

@@ -145,35 +145,35 @@ def test_a_stop_request_ends_either_run_as_stopped_not_failed(tmp_path, monkeypa
     assert summary.outcome == "stopped"
 
 
-def long_own_loop(folder):
-    """A script with its own loop that trains for minutes: stopped by the test."""
-    script = folder / "long.py"
+def training_own_loop(folder, processes, env):
+    """`gputui run --headless` on a script with its own loop that trains for minutes, once its first step
+    is in the metrics file: stopped by the test. Returns the process and the metrics file."""
+    script, metrics = folder / "long.py", folder / "m.jsonl"
     script.write_text(
         textwrap.dedent(PRELUDE)
         + "import time\nfor epoch in range(1000):\n    for xb, yb in loader:\n        opt.zero_grad()\n"
         "        nn.functional.cross_entropy(model(xb), yb).backward()\n        opt.step()\n        time.sleep(0.01)\n"
     )
-    return script
-
-
-def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path, processes):
-    """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
-    at once, with no end record and its socket left behind)."""
-    script = long_own_loop(tmp_path)
-    metrics = tmp_path / "m.jsonl"
     proc = processes.gputui(
         "run",
         "--headless",
         "--metrics",
         metrics,
         script,
-        cwd=tmp_path,
-        env={**os.environ, "GPUTUI_NO_SOCKET": "1"},
+        cwd=folder,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     wait_until(lambda: metrics.exists() and '"kind":"step"' in metrics.read_text(), message="no step", process=proc)
+    return proc, metrics
+
+
+def test_sigterm_to_a_headless_own_loop_finishes_the_step_and_ends_the_run(tmp_path, processes):
+    """As under the TUI: the loop stops at its next boundary, the end record is written (it was killed
+    at once, with no end record and its socket left behind)."""
+    proc, metrics = training_own_loop(tmp_path, processes, {**os.environ, "GPUTUI_NO_SOCKET": "1"})
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "terminated: finishing the current step" in err
@@ -204,23 +204,10 @@ def test_a_headless_own_loop_ended_by_ctrl_c_dies_by_sigint_and_one_stopped_by_r
 ):
     """Python ends on a Ctrl-C it did not catch by SIGINT, so a shell loop over runs stops too; a stop asked
     with `gputui ctl` (or a q) is no Ctrl-C: the shell's loop goes on to its next run."""
-    script = long_own_loop(tmp_path)
-    metrics, runtime = tmp_path / "m.jsonl", tmp_path / "run"
+    runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
-    proc = processes.gputui(
-        "run",
-        "--headless",
-        "--metrics",
-        metrics,
-        script,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_until(lambda: metrics.exists() and '"kind":"step"' in metrics.read_text(), message="no step", process=proc)
+    proc, metrics = training_own_loop(tmp_path, processes, env)
     if how == "ctrl-c":
         proc.send_signal(signal.SIGINT)
     else:
